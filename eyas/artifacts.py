@@ -1,0 +1,86 @@
+"""Self-describing stage outputs: atomic writes and `meta.json`.
+
+Every stage directory holds `meta.json` (written last: its presence marks a complete output) with
+the schema version, the stage, the resolved config, input hashes, counts and library versions, and
+`config.yaml` (the whole resolved config). Consumers call `read_meta`, which names the stage to
+re-run when something is missing or mismatched.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from eyas.errors import ArtifactError
+
+SCHEMA_VERSION = 1
+
+
+def library_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for name in ("eyas", "torch", "transformers", "safetensors", "tokenizers", "numpy"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write to a temp file in the same directory, fsync, rename: the file is whole or absent."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode("utf-8"))
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def hash_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def write_meta(out_dir: str | Path, stage: str, **fields: Any) -> dict[str, Any]:
+    meta = {"schema_version": SCHEMA_VERSION, "stage": stage, "complete": True}
+    meta.update(fields)
+    meta.setdefault("versions", library_versions())
+    atomic_write_json(Path(out_dir) / "meta.json", meta)
+    return meta
+
+
+def read_meta(out_dir: str | Path, stage: str) -> dict[str, Any]:
+    """The meta.json of a complete `stage` output, or an ArtifactError saying what to run."""
+    path = Path(out_dir) / "meta.json"
+    if not path.is_file():
+        raise ArtifactError(f"{out_dir} holds no complete {stage} output (no meta.json): run `eyas {stage}` first")
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path} is not valid JSON ({e.msg}): re-run `eyas {stage}`") from None
+    if meta.get("stage") != stage:
+        raise ArtifactError(f"{path} describes stage {meta.get('stage')!r}, expected {stage!r}")
+    if meta.get("schema_version") != SCHEMA_VERSION:
+        raise ArtifactError(
+            f"{path} has schema version {meta.get('schema_version')}, this eyas reads {SCHEMA_VERSION}: re-run `eyas {stage}`"
+        )
+    return meta

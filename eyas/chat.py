@@ -1,0 +1,176 @@
+"""Chat data in: ShareGPT, OpenAI and HF-datasets records -> normalised conversations.
+
+A normalised conversation is `Conversation(id, messages=[{"role", "content"}])` with roles
+`system` (optional, first), then alternating `user` / `assistant`, ending on `assistant`.
+Everything that is changed or dropped on the way is counted by reason in a `Counter`, so prepare
+can report it; a malformed line or an unknown role is an error naming file:line / the record.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from eyas.errors import ConfigError, DataError
+
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+
+@dataclass
+class Conversation:
+    id: str
+    messages: list[dict[str, str]]
+
+
+def iter_records(path: str, fmt: str = "auto") -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield (where, record) from a data source; `where` is file:line or file#index for errors."""
+    from eyas import assets
+
+    if path == "embedded:sharegpt":
+        src = assets.sharegpt_path()
+        for i, rec in assets.iter_json_array(src, stop_at_truncation=True):
+            yield f"{src.name}#{i}", rec
+        return
+    if path.startswith("embedded:"):
+        raise ConfigError(f"prepare.data={path!r}: the embedded data set is embedded:sharegpt")
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"prepare.data={path!r}: no such file or directory")
+    if p.is_dir() or fmt == "hf":
+        yield from _iter_hf(p)
+        return
+    if p.suffix == ".jsonl":
+        yield from _iter_jsonl(p)
+        return
+    # .json: an array of records (parsed record by record) or, like .jsonl, one object per line
+    with open(p, encoding="utf-8") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith("["):
+        for i, rec in assets.iter_json_array(p, stop_at_truncation=False):
+            if not isinstance(rec, dict):
+                raise DataError(f"{p}#{i}: expected a JSON object per record, got {type(rec).__name__}")
+            yield f"{p.name}#{i}", rec
+    elif head.startswith("{"):
+        yield from _iter_jsonl(p)
+    else:
+        raise DataError(f"{p}:1: expected a JSON array of records or one JSON object per line")
+
+
+def _iter_jsonl(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    with open(p, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{p}:{lineno}: malformed JSON line: {e.msg} (column {e.colno})") from None
+            if not isinstance(rec, dict):
+                raise DataError(f"{p}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
+            yield f"{p.name}:{lineno}", rec
+
+
+def _iter_hf(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"prepare.data={str(p)!r} is a directory: reading HF datasets needs `pip install datasets`") from None
+    ds = datasets.load_from_disk(str(p))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{p}: a DatasetDict without a 'train' split (splits: {list(ds)})")
+        ds = ds["train"]
+    for i, rec in enumerate(ds):
+        yield f"{p.name}#{i}", rec
+
+
+def normalise(where: str, rec: dict[str, Any], fmt: str, counts: Counter, system_prompt: str = "") -> Conversation | None:
+    """One raw record -> Conversation, or None (dropped; the reason is counted)."""
+    if fmt in ("auto", "hf"):
+        fmt = "sharegpt" if "conversations" in rec else "openai" if "messages" in rec else ""
+        if not fmt:
+            raise DataError(f"{where}: record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI); keys: {sorted(rec)}")
+    key, role_key, text_key = ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")
+    turns = rec.get(key)
+    if turns is None:
+        raise DataError(f"{where}: record has no '{key}' list (format {fmt})")
+    if not isinstance(turns, list):
+        raise DataError(f"{where}: '{key}' must be a list, got {type(turns).__name__}")
+    rid = str(rec.get("id", rec.get("conversation_id", where)))
+    if not turns:
+        counts["dropped_empty_record"] += 1
+        return None
+    messages: list[dict[str, str]] = []
+    for j, turn in enumerate(turns):
+        if not isinstance(turn, dict) or role_key not in turn:
+            raise DataError(f"{where} (id {rid}): turn {j} has no '{role_key}' field: {str(turn)[:120]!r}")
+        raw_role = str(turn[role_key])
+        role = ROLE_MAP.get(raw_role.lower())
+        if role is None:
+            raise DataError(
+                f"{where} (id {rid}): unknown role {raw_role!r} in turn {j}; known roles: {', '.join(sorted(ROLE_MAP))}"
+            )
+        content = turn.get(text_key)
+        if isinstance(content, list):  # OpenAI content parts
+            content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        if not isinstance(content, str) or not content.strip():
+            counts["removed_empty_turn"] += 1
+            continue
+        if role == "system" and messages:
+            counts["removed_system_turn_not_first"] += 1
+            continue
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"] += "\n\n" + content
+            counts["merged_consecutive_turns"] += 1
+            continue
+        messages.append({"role": role, "content": content})
+    body = messages[1:] if messages and messages[0]["role"] == "system" else messages
+    if body and body[0]["role"] == "assistant":
+        body = body[1:]
+        counts["removed_leading_assistant_turn"] += 1
+    while body and body[-1]["role"] != "assistant":
+        body = body[:-1]
+        counts["removed_trailing_user_turn"] += 1
+    if not any(m["role"] == "assistant" for m in body):
+        counts["dropped_no_user_assistant_pair"] += 1
+        return None
+    system = messages[:1] if messages and messages[0]["role"] == "system" else []
+    if not system and system_prompt:
+        system = [{"role": "system", "content": system_prompt}]
+    return Conversation(rid, system + body)
+
+
+def load_conversations(
+    path: str, fmt: str = "auto", limit: int = 0, system_prompt: str = ""
+) -> tuple[list[Conversation], Counter]:
+    """Read and normalise up to `limit` records (0 = all). Returns (conversations, counts by reason)."""
+    counts: Counter = Counter()
+    out: list[Conversation] = []
+    for where, rec in iter_records(path, fmt):
+        if limit and counts["records"] >= limit:
+            break
+        counts["records"] += 1
+        conv = normalise(where, rec, fmt, counts, system_prompt)
+        if conv is not None:
+            out.append(conv)
+    if counts["records"] == 0:
+        raise DataError(f"prepare.data={path!r} holds no records")
+    if not out:
+        raise DataError(
+            f"prepare.data={path!r}: none of {counts['records']} records has a user turn followed by an "
+            f"assistant turn (drop reasons: {dict(counts)})"
+        )
+    return out, counts

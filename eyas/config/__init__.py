@@ -1,0 +1,97 @@
+"""The whole eyas configuration: one typed section per stage (see each section's field docs).
+
+    cfg = load_config("recipe.yaml", ["--prepare.max_length=4096"])
+
+Precedence: dataclass defaults < YAML file < `--section.key=value` overrides. The resolved config
+is written as `config.yaml` beside every stage output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eyas.config.base import deep_merge, field_docs, from_dict, parse_overrides, read_yaml, require, to_dict
+from eyas.config.evaluate import EvaluateConfig
+from eyas.config.export import ExportConfig
+from eyas.config.extract import ExtractConfig
+from eyas.config.prepare import PrepareConfig
+from eyas.config.target import TargetConfig
+from eyas.config.train import TrainConfig
+
+STAGES = ("prepare", "extract", "train", "export", "evaluate")
+
+
+@dataclass
+class EyasConfig:
+    run_dir: str = "runs/eyas"
+    """Directory holding one subdirectory per stage (prepare/, extract/, ...)."""
+    seed: int = 0
+    """Seed for every random choice (shuffles, splits, initialisation, sampling)."""
+    target: TargetConfig = field(default_factory=TargetConfig)
+    """The target model every stage works for."""
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    """Chat data -> tokens, loss masks, draft vocabulary."""
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    """Target hidden states -> sharded safetensors."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """EAGLE-3 draft training."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """Draft -> vLLM / SGLang layouts."""
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    """Speculative decoding: acceptance length and speedup."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.run_dir), "run_dir is empty")
+
+    def stage_dir(self, stage: str) -> Path:
+        """The output directory of `stage`: its own out_dir, else RUN_DIR/stage."""
+        section = getattr(self, stage)
+        out = getattr(section, "out_dir", "")
+        return Path(out) if out else Path(self.run_dir) / stage
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> EyasConfig:
+    data: dict[str, Any] = read_yaml(path) if path else {}
+    if overrides:
+        data = deep_merge(data, parse_overrides(overrides))
+    return from_dict(EyasConfig, data)
+
+
+def dump_config(cfg: EyasConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def describe(cls: type = EyasConfig, prefix: str = "") -> list[str]:
+    """One line per field: dotted key, default, docstring (for `eyas config --help`)."""
+    lines = []
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            lines.append(f"{key}: {docs.get(f.name, '')}")
+            lines.extend(describe(type(default), key + "."))
+        else:
+            lines.append(f"  --{key}={default!r}  {docs.get(f.name, '')}")
+    return lines
+
+
+__all__ = [
+    "STAGES",
+    "EyasConfig",
+    "TargetConfig",
+    "PrepareConfig",
+    "ExtractConfig",
+    "TrainConfig",
+    "ExportConfig",
+    "EvaluateConfig",
+    "load_config",
+    "dump_config",
+    "describe",
+    "to_dict",
+]

@@ -1,0 +1,213 @@
+"""Typed configuration: dataclasses with one docstring per field, YAML < `--section.key=value`.
+
+Every stage's settings are a dataclass whose fields carry a docstring (the string literal right
+below the field). `from_dict` builds one from plain data with type checks; unknown keys are an
+error naming the closest valid key; `__post_init__` of each dataclass validates values, so a bad
+config fails before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eyas.errors import ConfigError
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> its docstring (the string literal that follows the field in the class body)."""
+    try:
+        src = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(src).body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _closest(name: str, options: list[str], prefix: str = "") -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.0)
+    return f"; did you mean '{prefix + '.' if prefix else ''}{match[0]}'?" if match else ""
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check/convert one value against a field's annotated type."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, prefix=where)
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        item = args[0] if args else Any
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(float(value)) if float(value).is_integer() else int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads "1e-4" as a string
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass `cls` from `data`; unknown keys name the closest valid one."""
+    if data is None:
+        data = {}
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(f"unknown config key '{where}'{_closest(str(key), names, prefix)}")
+        kwargs[key] = _coerce(value, hints[key], where)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{prefix + ': ' if prefix else ''}{e}") from None
+
+
+def to_dict(obj: Any) -> Any:
+    """Dataclass -> plain dict (recursively)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """['--a.b=1', '--c', 'x'] -> {'a': {'b': 1}, 'c': 'x'} (values parsed as YAML scalars/lists)."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"expected an override of the form --section.key=value, got {arg!r}")
+        body = arg[2:]
+        if "=" in body:
+            key, raw = body.split("=", 1)
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            key, raw = body, args[i + 1]
+            i += 1
+        else:
+            key, raw = body, "true"
+        i += 1
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        if value is None:
+            value = raw  # "--x=null"-style strings stay strings; fields that allow None accept ""
+        node = out
+        parts = key.replace("-", "_").split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override --{key} conflicts with another override")
+        node[parts[-1]] = value
+    return out
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def require(cond: bool, message: str) -> None:
+    """Validation helper for __post_init__: raise ConfigError(message) unless cond."""
+    if not cond:
+        raise ConfigError(message)

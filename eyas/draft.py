@@ -1,0 +1,268 @@
+"""The EAGLE-3 draft model, parameter for parameter the layout of the EAGLE-3 reference / SGLang.
+
+Legend: B batch, S sequence (queries), P prefix keys, D draft hidden, Dt target hidden, K aux
+layers, H heads, Hkv kv heads, d head dim, W draft vocab, V target vocab.
+
+    fc                      Linear(K*Dt -> D, no bias): fuses the K aux states (layer-id order)
+    midlayer.input_layernorm   RMSNorm(D) on the token embedding
+    midlayer.hidden_norm       RMSNorm(D) on the hidden state h
+    midlayer.self_attn.{q,k,v}_proj  Linear(2D -> H*d / Hkv*d): input cat([norm(emb), norm(h)])
+    midlayer.self_attn.o_proj  Linear(H*d -> D)
+    midlayer.post_attention_layernorm, midlayer.mlp.{gate,up,down}_proj  (Llama gated MLP)
+    norm                    final RMSNorm(D)
+    lm_head                 Linear(D -> W, no bias)
+    d2t int64 [W], t2d bool [V]   vocab mapping buffers (saved)
+    embed_weight [V, D]     the target's input embedding: frozen, a non-persistent buffer (never saved)
+
+The residual around attention is the **un-normed** h (the reference); with
+`norm_before_residual=True` it is hidden_norm(h) (the variant some vLLM/speculators checkpoints
+use). `forward_step` returns the pre-norm output (fed back as h at the next draft step) and the
+keys/values of this step, so callers own their caches: training-time test (eyas.ttt) concatenates
+step blocks with a diagonal mask; speculative decoding (eyas.spec) keeps an ordinary KV cache.
+
+This module knows nothing of distribution (DDP/FSDP wrap it from outside).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_hidden_size: int
+    num_aux_layers: int
+    draft_vocab_size: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    hidden_act: str = "silu"
+    norm_before_residual: bool = False
+    aux_layer_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int], **overrides: Any) -> "DraftConfig":
+        """Sizes from the target's (text) config; any field can be overridden."""
+        tcfg = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
+        heads = tcfg.num_attention_heads
+        hidden = tcfg.hidden_size
+        rope_params = getattr(tcfg, "rope_parameters", None)
+        if rope_params:  # transformers 5.x
+            theta = rope_params.get("rope_theta", 10000.0)
+            kind = rope_params.get("rope_type", rope_params.get("type", "default"))
+            scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"} if kind != "default" else None
+        else:
+            theta = getattr(tcfg, "rope_theta", 10000.0)
+            scaling = getattr(tcfg, "rope_scaling", None)
+        kw: dict[str, Any] = dict(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tcfg, "head_dim", None) or hidden // heads,
+            intermediate_size=tcfg.intermediate_size,
+            target_hidden_size=hidden,
+            num_aux_layers=len(aux_layer_ids),
+            draft_vocab_size=draft_vocab_size,
+            vocab_size=tcfg.vocab_size,
+            rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=dict(scaling) if scaling else None,
+            max_position_embeddings=getattr(tcfg, "max_position_embeddings", 4096),
+            hidden_act=getattr(tcfg, "hidden_act", "silu"),
+            aux_layer_ids=list(aux_layer_ids),
+        )
+        kw.update({k: v for k, v in overrides.items() if v not in (None, 0, "")})
+        if "hidden_size" in overrides and overrides["hidden_size"] and "head_dim" not in overrides:
+            kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+        return cls(**kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE exactly as the target's config computes it (transformers' own init functions)."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        scaling = dict(cfg.rope_scaling or {})
+        kw: dict[str, Any] = dict(
+            hidden_size=cfg.num_attention_heads * cfg.head_dim,
+            num_attention_heads=cfg.num_attention_heads,
+            head_dim=cfg.head_dim,
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_theta=cfg.rope_theta,
+            rope_scaling=scaling or None,
+        )
+        lcfg = LlamaConfig(**kw)
+        if getattr(lcfg, "rope_parameters", None) is not None:  # transformers 5.x
+            lcfg.rope_parameters = {"rope_type": scaling.get("rope_type", scaling.get("type", "default")), **scaling, "rope_theta": cfg.rope_theta}
+        self.inner = LlamaRotaryEmbedding(lcfg)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner(x, position_ids)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_BHSd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos_BSd.unsqueeze(1), sin_BSd.unsqueeze(1)
+    return x_BHSd * cos + rotate_half(x_BHSd) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        d2 = 2 * cfg.hidden_size
+        self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(d2, self.h * self.d, bias=False)
+        self.k_proj = nn.Linear(d2, self.hkv * self.d, bias=False)
+        self.v_proj = nn.Linear(d2, self.hkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+
+    def qkv(self, x_BS2D: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, s, _ = x_BS2D.shape
+        q = self.q_proj(x_BS2D).view(b, s, self.h, self.d).transpose(1, 2)
+        k = self.k_proj(x_BS2D).view(b, s, self.hkv, self.d).transpose(1, 2)
+        v = self.v_proj(x_BS2D).view(b, s, self.hkv, self.d).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q_BHSd, k_BHPd, v_BHPd, mask_BSP: torch.Tensor | None) -> torch.Tensor:
+        """SDPA over all given keys; mask (bool, True = may attend) broadcastable to [B, 1, S, P]."""
+        if mask_BSP is not None and mask_BSP.dim() == 3:
+            mask_BSP = mask_BSP.unsqueeze(1)
+        if self.hkv != self.h:
+            rep = self.h // self.hkv
+            k_BHPd = k_BHPd.repeat_interleave(rep, dim=1)
+            v_BHPd = v_BHPd.repeat_interleave(rep, dim=1)
+        o = F.scaled_dot_product_attention(q_BHSd, k_BHPd, v_BHPd, attn_mask=mask_BSP)
+        b, _, s, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        from transformers.activations import ACT2FN
+
+        self.act = ACT2FN[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: DraftConfig, embed_weight_VD: torch.Tensor | None = None):
+        super().__init__()
+        self.config = cfg
+        self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        if embed_weight_VD is None:
+            embed_weight_VD = torch.zeros(cfg.vocab_size, cfg.hidden_size)
+        self.register_buffer("embed_weight", embed_weight_VD.detach(), persistent=False)
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        assert d2t.shape == self.d2t.shape and t2d.shape == self.t2d.shape, (d2t.shape, t2d.shape)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def set_embedding(self, embed_weight_VD: torch.Tensor) -> None:
+        """Install the target's (frozen) input embedding; it is never saved with the draft."""
+        assert embed_weight_VD.shape == (self.config.vocab_size, self.config.hidden_size), embed_weight_VD.shape
+        self.embed_weight = embed_weight_VD.detach().to(self.fc.weight.device)
+
+    def embed(self, input_ids_BS: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids_BS, self.embed_weight)
+
+    def fuse(self, aux_BSKD: torch.Tensor) -> torch.Tensor:
+        """fc over the K aux states concatenated in layer-id order -> h_BSD (step 0 input)."""
+        return self.fc(aux_BSKD.flatten(-2).to(self.fc.weight.dtype))
+
+    def forward_step(
+        self,
+        input_ids_BS: torch.Tensor,
+        h_BSD: torch.Tensor,
+        position_ids_BS: torch.Tensor,
+        past_k: torch.Tensor | None = None,
+        past_v: torch.Tensor | None = None,
+        mask_BSP: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One draft step. Keys attended = cat(past_k, this step's k) along the sequence axis.
+
+        mask_BSP: bool [B or 1, S, P+S] (True = attend); None with no past means causal.
+        Returns (prenorm_BSD: the output fed back as h; k_BHSd, v_BHSd of this step, after RoPE).
+        """
+        layer = self.midlayer
+        emb = self.embed(input_ids_BS).to(h_BSD.dtype)
+        h_normed = layer.hidden_norm(h_BSD)
+        residual = h_normed if layer.norm_before_residual else h_BSD
+        x = torch.cat([layer.input_layernorm(emb), h_normed], dim=-1)
+        cos, sin = self.rotary(x, position_ids_BS)
+        q, k, v = layer.self_attn.qkv(x, cos, sin)
+        k_all = k if past_k is None else torch.cat([past_k, k], dim=2)
+        v_all = v if past_v is None else torch.cat([past_v, v], dim=2)
+        if mask_BSP is None:
+            assert past_k is None, "a mask is required when past keys are given"
+            s = q.shape[2]
+            mask_BSP = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().unsqueeze(0)
+        hidden = residual + layer.self_attn.attend(q, k_all, v_all, mask_BSP)
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden, k, v
+
+    def logits(self, prenorm_BSD: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits [.., W] from the pre-norm output."""
+        return self.lm_head(self.norm(prenorm_BSD))
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)

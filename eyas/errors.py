@@ -1,0 +1,74 @@
+"""Errors that users see, and the one way eyas records a caught exception.
+
+User mistakes raise `EyasError` (or a subclass) whose message names the offending value, file:line
+or flag and says what to change. Internal invariants use `assert`. Nothing is ever swallowed: a
+caught exception is either re-raised or recorded with `describe_exception` (type, message or repr
+when the message is empty, full traceback) together with stage, rank and sample ids, and the run
+exits non-zero unless the user explicitly allowed failures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from typing import Any, Iterable
+
+
+class EyasError(Exception):
+    """A problem the user can fix; the message says how."""
+
+
+class ConfigError(EyasError, ValueError):
+    """An invalid, unknown or inconsistent configuration value."""
+
+
+class DataError(EyasError, ValueError):
+    """Malformed or unusable input data (the message names file:line or record id)."""
+
+
+class ArtifactError(EyasError):
+    """A stage output is missing, corrupt or does not match what the consumer expects."""
+
+
+def exception_message(exc: BaseException) -> str:
+    """str(exc), or repr(exc) when str is empty (a bare `raise RuntimeError()` prints nothing)."""
+    text = str(exc)
+    return text if text.strip() else repr(exc)
+
+
+def describe_exception(exc: BaseException) -> dict[str, str]:
+    """Type, message (repr when empty) and the full traceback, ready for JSON."""
+    return {
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": exception_message(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+
+
+def record_error(
+    path: str | os.PathLike | None,
+    exc: BaseException,
+    *,
+    stage: str,
+    rank: int = 0,
+    sample_ids: Iterable[Any] = (),
+    **context: Any,
+) -> dict[str, Any]:
+    """Append one failure to `path` (errors.jsonl) and print it in full to stderr; return the record."""
+    rec: dict[str, Any] = {"stage": stage, "rank": rank, "sample_ids": [str(s) for s in sample_ids]}
+    rec.update(context)
+    rec.update(describe_exception(exc))
+    if path is not None:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    print(
+        f"[eyas:{stage}] rank {rank} FAILED on samples {rec['sample_ids']}: "
+        f"{rec['type']}: {rec['message']}\n{rec['traceback']}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return rec

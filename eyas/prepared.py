@@ -1,0 +1,54 @@
+"""Reader of a prepare output directory.
+
+    from eyas import Prepared
+    p = Prepared("runs/eyas/prepare")
+    len(p); p[0]  # {"input_ids": LongTensor[S], "loss_mask": LongTensor[S], "id": "QWJhYvA_0"}
+    p.d2t, p.t2d  # int64 [W] offsets, bool [V]
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from eyas.artifacts import read_meta
+
+
+class Prepared:
+    def __init__(self, out_dir: str | Path):
+        self.dir = Path(out_dir)
+        self.meta = read_meta(self.dir, "prepare")
+        tokens = load_file(str(self.dir / "tokens.safetensors"))
+        self._ids = tokens["input_ids"]
+        self._mask = tokens["loss_mask"]
+        self.offsets = tokens["offsets"]
+        v = load_file(str(self.dir / "vocab.safetensors"))
+        self.d2t: torch.Tensor = v["d2t"]
+        self.t2d: torch.Tensor = v["t2d"]
+        self.token_counts: torch.Tensor = v["token_counts"]
+        self.ids: list[str] = json.loads((self.dir / "sample_ids.json").read_text())
+        assert len(self.ids) + 1 == self.offsets.numel(), "sample_ids.json and tokens.safetensors disagree"
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def length(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        i %= len(self)
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return {"input_ids": self._ids[a:b].long(), "loss_mask": self._mask[a:b].long(), "id": self.ids[i], "index": i}
+
+    def __repr__(self) -> str:
+        return f"Prepared({str(self.dir)!r}, samples={len(self)}, draft_vocab={self.d2t.numel()})"
