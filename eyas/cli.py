@@ -19,12 +19,53 @@ Precedence: defaults < YAML file < --section.key=value. Example:
 """
 
 
-def _split(argv: list[str]) -> tuple[str | None, list[str]]:
-    if argv and not argv[0].startswith("--") and Path(argv[0]).suffix in (".yaml", ".yml"):
-        return argv[0], argv[1:]
-    if argv and not argv[0].startswith("--"):
-        raise EyasError(f"expected a .yaml config file or --section.key=value overrides, got {argv[0]!r}")
-    return None, argv
+# command -> (module with main(cfg), config key a bare positional directory argument sets)
+STAGES = {
+    "prepare": ("eyas.prepare", None),
+    "extract": ("eyas.extract", None),
+    "train": ("eyas.train", None),
+    "export": ("eyas.export", "export.train_dir"),
+    "evaluate": ("eyas.evaluate", None),
+    "plot": ("eyas.plot", "plot.run_dir"),
+}
+
+
+def _split(argv: list[str], positional: str | None = None) -> tuple[str | None, list[str]]:
+    """-> (config.yaml or None, overrides). A bare directory argument becomes --<positional>=DIR."""
+    path, out = None, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--"):
+            out.append(arg)
+            if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                out.append(argv[i + 1])
+                i += 1
+        elif Path(arg).suffix in (".yaml", ".yml") and path is None:
+            path = arg
+        elif positional is not None:
+            out.append(f"--{positional}={arg}")
+            positional = None
+        else:
+            raise EyasError(f"expected a .yaml config file or --section.key=value overrides, got {arg!r}")
+        i += 1
+    return path, out
+
+
+def _own_section(command: str, overrides: list[str]) -> list[str]:
+    """`eyas extract --verify 4` means --extract.verify=4: a bare key of the command's own section."""
+    from eyas.config import EyasConfig
+    import dataclasses
+
+    top = {f.name for f in dataclasses.fields(EyasConfig)}
+    out = []
+    for arg in overrides:
+        if arg.startswith("--"):
+            key = arg[2:].split("=", 1)[0]
+            if "." not in key and key.replace("-", "_") not in top:
+                arg = f"--{command}.{arg[2:]}"
+        out.append(arg)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,18 +88,18 @@ def main(argv: list[str] | None = None) -> int:
             path, overrides = _split(rest)
             print(dump_config(load_config(path, overrides)), end="")
             return 0
-        stages = {"prepare": "eyas.prepare"}
-        if command not in stages:
+        if command not in STAGES:
             raise EyasError(f"unknown command {command!r}\n\n{USAGE}")
         if rest and rest[0] in ("-h", "--help"):
             print("\n".join(describe()))
             return 0
-        path, overrides = _split(rest)
-        cfg = load_config(path, overrides)
+        module_name, positional = STAGES[command]
+        path, overrides = _split(rest, positional)
+        cfg = load_config(path, _own_section(command, overrides))
         import importlib
 
-        importlib.import_module(stages[command]).main(cfg)
-        return 0
+        result = importlib.import_module(module_name).main(cfg)
+        return int(result) if isinstance(result, int) else 0
     except EyasError as e:
         print(f"eyas {command}: error: {e}", file=sys.stderr)
         return 2

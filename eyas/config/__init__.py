@@ -19,6 +19,7 @@ from eyas.config.base import deep_merge, field_docs, from_dict, parse_overrides,
 from eyas.config.evaluate import EvaluateConfig
 from eyas.config.export import ExportConfig
 from eyas.config.extract import ExtractConfig
+from eyas.config.plot import PlotConfig
 from eyas.config.prepare import PrepareConfig
 from eyas.config.target import TargetConfig
 from eyas.config.train import TrainConfig
@@ -44,6 +45,8 @@ class EyasConfig:
     """Draft -> vLLM / SGLang layouts."""
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     """Speculative decoding: acceptance length and speedup."""
+    plot: PlotConfig = field(default_factory=PlotConfig)
+    """Training curves as PNG."""
 
     def __post_init__(self) -> None:
         require(bool(self.run_dir), "run_dir is empty")
@@ -90,6 +93,7 @@ __all__ = [
     "TrainConfig",
     "ExportConfig",
     "EvaluateConfig",
+    "PlotConfig",
     "load_config",
     "dump_config",
     "describe",

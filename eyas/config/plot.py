@@ -1,0 +1,9 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PlotConfig:
+    run_dir: str = ""
+    """Training directory whose metrics.jsonl is plotted (empty = RUN_DIR/train)."""
