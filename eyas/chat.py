@@ -1,7 +1,8 @@
 """Chat data in: ShareGPT, OpenAI and HF-datasets records -> normalised conversations.
 
 A normalised conversation is `Conversation(id, messages=[{"role", "content"}])` with roles
-`system` (optional, first), then alternating `user` / `assistant`, ending on `assistant`.
+`system` (optional, first), then alternating `user` / `assistant`, ending on `assistant`; each
+content has its surrounding whitespace stripped and consecutive turns of one role are merged.
 Everything that is changed or dropped on the way is counted by reason in a `Counter`, so prepare
 can report it; a malformed line or an unknown role is an error naming file:line / the record.
 """
@@ -129,6 +130,9 @@ def normalise(where: str, rec: dict[str, Any], fmt: str, counts: Counter, system
         if not isinstance(content, str) or not content.strip():
             counts["removed_empty_turn"] += 1
             continue
+        # Surrounding whitespace is data noise, and leading whitespace would merge with the
+        # template's own "\n" into one token that belongs half to the template.
+        content = content.strip()
         if role == "system" and messages:
             counts["removed_system_turn_not_first"] += 1
             continue

@@ -46,19 +46,27 @@ def special_ids(tok) -> set[int]:
 
 
 def content_spans(text: str, conv: Conversation) -> list[tuple[int, int]]:
-    """Character spans of each assistant content inside the rendered text, in order."""
+    """Character spans of each assistant content inside the rendered text, in order.
+
+    Every message is located in turn (the cursor moves past user/system contents too), so an
+    assistant answer that also occurs inside a later user message is not mistaken for it.
+    """
     spans, cursor = [], 0
     for m in conv.messages:
-        if m["role"] != "assistant":
-            continue
-        needle = m["content"].strip()
+        needle = m["content"]  # as rendered verbatim, else as templates that trim it render it
         start = text.find(needle, cursor)
+        if start < 0:
+            needle = needle.strip()
+            start = text.find(needle, cursor)
+        if start < 0 and m["role"] != "assistant":
+            continue  # templates may rewrite system/user text; only assistant spans must be found
         if start < 0:
             raise DataError(
                 f"conversation {conv.id}: the chat template does not reproduce an assistant message "
                 f"verbatim (first 60 chars: {needle[:60]!r}); eyas cannot locate it to build the loss mask"
             )
-        spans.append((start, start + len(needle)))
+        if m["role"] == "assistant":
+            spans.append((start, start + len(needle)))
         cursor = start + len(needle)
     return spans
 

