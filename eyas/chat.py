@@ -34,6 +34,8 @@ ROLE_MAP = {
 class Conversation:
     id: str
     messages: list[dict[str, str]]
+    index: int = -1
+    """Position among the kept conversations of the source (stable across runs: the resume key)."""
 
 
 def iter_records(path: str, fmt: str = "auto") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -169,6 +171,7 @@ def load_conversations(
         counts["records"] += 1
         conv = normalise(where, rec, fmt, counts, system_prompt)
         if conv is not None:
+            conv.index = len(out)
             out.append(conv)
     if counts["records"] == 0:
         raise DataError(f"prepare.data={path!r} holds no records")

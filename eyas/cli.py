@@ -22,6 +22,8 @@ Precedence: defaults < YAML file < --section.key=value. Example:
 # command -> (module with main(cfg), config key a bare positional directory argument sets)
 STAGES = {
     "prepare": ("eyas.prepare", None),
+    "regenerate": ("eyas.regenerate", None),
+    "run": ("eyas.run", None),
     "extract": ("eyas.extract", None),
     "train": ("eyas.train", None),
     "export": ("eyas.export", "export.train_dir"),

@@ -21,10 +21,11 @@ from eyas.config.export import ExportConfig
 from eyas.config.extract import ExtractConfig
 from eyas.config.plot import PlotConfig
 from eyas.config.prepare import PrepareConfig
+from eyas.config.regenerate import RegenerateConfig
 from eyas.config.target import TargetConfig
 from eyas.config.train import TrainConfig
 
-STAGES = ("prepare", "extract", "train", "export", "evaluate")
+STAGES = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
 
 
 @dataclass
@@ -37,6 +38,8 @@ class EyasConfig:
     """The target model every stage works for."""
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
     """Chat data -> tokens, loss masks, draft vocabulary."""
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+    """Optional: the target rewrites the assistant answers (the largest lever on acceptance)."""
     extract: ExtractConfig = field(default_factory=ExtractConfig)
     """Target hidden states -> sharded safetensors."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -89,6 +92,7 @@ __all__ = [
     "EyasConfig",
     "TargetConfig",
     "PrepareConfig",
+    "RegenerateConfig",
     "ExtractConfig",
     "TrainConfig",
     "ExportConfig",

@@ -1,0 +1,302 @@
+"""regenerate: the target rewrites every assistant turn, turn by turn, given the conversation so far.
+
+    eyas regenerate recipe.yaml                               # in-process HF generate (default)
+    eyas regenerate --backend server --server_url http://127.0.0.1:8000   # vllm serve / SGLang
+
+Answers written by the target itself are the largest single lever on draft acceptance (EAGLE-3
+paper and every public reproduction): the draft learns the distribution it will have to predict.
+
+For a conversation [system?, u1, a1, u2, a2, ...] the output is [system?, u1, a1', u2, a2', ...]
+where a1' is generated from [system?, u1] and a2' from [system?, u1, a1', u2]. Conversations are
+processed in chunks (`chunk_conversations`); round r of a chunk generates turn r of every
+conversation in it as one batch. A chunk is appended to `conversations.jsonl` (OpenAI form, one
+record per line, fsync'd) only when all its turns are done, so re-running the same command skips
+every completed conversation and redoes at most one chunk. A turn whose prompt exceeds
+`max_prompt_tokens` ends its conversation there (counted).
+
+Backends share one interface: `generate(prompts: list[list[dict]]) -> list[Answer]`.
+  hf      transformers `generate`, prompts sorted by length and left-padded, KV cache; on CUDA a
+          static cache compiled by transformers, prompt lengths padded to buckets so few shapes compile.
+  server  OpenAI-compatible /v1/chat/completions with bounded concurrency; connection errors,
+          HTTP 429 and 5xx are retried `retries` times with backoff, then the run fails naming the
+          conversation, the attempts and the last error. Nothing is skipped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eyas import artifacts
+from eyas.chat import Conversation, load_conversations
+from eyas.config import EyasConfig, dump_config, to_dict
+from eyas.errors import EyasError, exception_message
+from eyas.target import describe_target, load_tokenizer
+
+OUTPUT = "conversations.jsonl"
+
+
+@dataclass
+class Answer:
+    text: str
+    new_tokens: int
+    finish_reason: str  # "stop" | "length"
+
+
+class HFBackend:
+    """Batched in-process generation with the target (greedy or sampled)."""
+
+    def __init__(self, cfg: EyasConfig, tok):
+        import torch
+
+        from eyas.target import load_model
+
+        rc = cfg.regenerate
+        self.rc, self.tok = rc, tok
+        self.device = rc.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_model(cfg.target, device=self.device)
+        self.eos = _eos_ids(self.model, tok)
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos[0]
+        self.static = rc.static_cache and self.device.startswith("cuda")
+
+    def generate(self, prompts_ids: list[list[int]]) -> list[Answer]:
+        import torch
+
+        order = sorted(range(len(prompts_ids)), key=lambda i: len(prompts_ids[i]))
+        out: list[Answer | None] = [None] * len(prompts_ids)
+        for b in range(0, len(order), self.rc.batch_size):
+            idx = order[b : b + self.rc.batch_size]
+            width = max(len(prompts_ids[i]) for i in idx)
+            if self.static:  # few distinct shapes -> few compilations
+                width = -(-width // 128) * 128
+            ids = torch.full((len(idx), width), self.pad, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for row, i in enumerate(idx):  # left padding: generation continues from the right edge
+                p = prompts_ids[i]
+                ids[row, width - len(p) :] = torch.tensor(p)
+                mask[row, width - len(p) :] = 1
+            kw: dict[str, Any] = dict(
+                max_new_tokens=self.rc.max_new_tokens,
+                do_sample=self.rc.temperature > 0,
+                eos_token_id=self.eos,
+                pad_token_id=self.pad,
+            )
+            if self.rc.temperature > 0:
+                kw.update(temperature=self.rc.temperature, top_p=self.rc.top_p, top_k=0)
+            else:
+                kw.update(temperature=None, top_p=None, top_k=None)
+            if self.static:
+                kw["cache_implementation"] = "static"
+            with torch.inference_mode():
+                gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kw)
+            new = gen[:, width:].cpu().tolist()  # one host sync per batch
+            for row, i in enumerate(idx):
+                out[i] = self._answer(new[row])
+        return out  # type: ignore[return-value]
+
+    def _answer(self, new: list[int]) -> Answer:
+        n, reason = len(new), "length"
+        for j, t in enumerate(new):
+            if t in self.eos:
+                n, reason = j + 1, "stop"
+                break
+        text = self.tok.decode(new[:n], skip_special_tokens=True)
+        return Answer(text.strip(), n, reason)
+
+
+def _eos_ids(model, tok) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    if not ids:
+        raise EyasError("the target defines no eos token (generation_config.eos_token_id / tokenizer.eos_token)")
+    return sorted(ids)
+
+
+class ServerBackend:
+    """An OpenAI-compatible /v1/chat/completions endpoint (vllm serve, SGLang, ...)."""
+
+    def __init__(self, cfg: EyasConfig):
+        self.rc = cfg.regenerate
+        self.url = self.rc.server_url.rstrip("/") + "/v1/chat/completions"
+        self.model = self.rc.server_model or cfg.target.model
+        self.retried = 0
+
+    def generate_messages(self, prompts: list[list[dict[str, str]]], ids: list[str]) -> list[Answer]:
+        with ThreadPoolExecutor(max_workers=self.rc.concurrency) as pool:
+            return list(pool.map(self._one, prompts, ids))
+
+    def _one(self, messages: list[dict[str, str]], conv_id: str) -> Answer:
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": self.rc.max_new_tokens,
+            "temperature": self.rc.temperature,
+            "top_p": self.rc.top_p,
+            **self.rc.extra_body,
+        }
+        data = json.dumps(body).encode()
+        last = ""
+        for attempt in range(self.rc.retries + 1):
+            if attempt:
+                self.retried += 1
+                time.sleep(min(2.0 ** (attempt - 1), 30.0))
+            req = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.rc.timeout_s) as resp:
+                    payload = json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")[:2000]
+                last = f"HTTP {e.code} {e.reason}: {detail}"
+                if e.code == 429 or e.code >= 500:
+                    continue
+                raise EyasError(f"regenerate: {self.url} refused conversation {conv_id}: {last}") from None
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+                last = f"{type(e).__name__}: {exception_message(e)}"
+                continue
+            try:
+                choice = payload["choices"][0]
+                text = choice["message"]["content"] or ""
+                n = int((payload.get("usage") or {}).get("completion_tokens", 0))
+                reason = choice.get("finish_reason") or "stop"
+            except (KeyError, IndexError, TypeError) as e:
+                raise EyasError(f"regenerate: malformed response from {self.url} for conversation {conv_id}: {str(payload)[:500]}") from e
+            return Answer(text.strip(), n, "length" if reason == "length" else "stop")
+        raise EyasError(
+            f"regenerate: conversation {conv_id} failed after {self.rc.retries + 1} attempts at {self.url}; last error: {last}"
+        )
+
+
+def regenerate_chunk(backend, tok, convs: list[Conversation], rc, counts: Counter) -> list[dict[str, Any]]:
+    """All turns of `convs`, round by round (turn r of every conversation in one batch)."""
+    states = []
+    for c in convs:
+        head = [m for m in c.messages[:1] if m["role"] == "system"]
+        users = [m["content"] for m in c.messages if m["role"] == "user"]
+        states.append({"conv": c, "index": c.index, "messages": list(head), "users": users, "reasons": [], "open": True})
+    for r in range(max(len(s["users"]) for s in states)):
+        live = [s for s in states if s["open"] and r < len(s["users"])]
+        prompts, prompt_ids = [], []
+        for s in list(live):
+            msgs = s["messages"] + [{"role": "user", "content": s["users"][r]}]
+            ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+            if len(ids) > rc.max_prompt_tokens:
+                s["open"] = False
+                counts["conversations_cut_at_prompt_limit"] += 1
+                live.remove(s)
+                continue
+            prompts.append(msgs)
+            prompt_ids.append(list(ids))
+        if not live:
+            continue
+        if isinstance(backend, ServerBackend):
+            answers = backend.generate_messages(prompts, [s["conv"].id for s in live])
+        else:
+            answers = backend.generate(prompt_ids)
+        for s, msgs, a in zip(live, prompts, answers):
+            s["messages"] = msgs + [{"role": "assistant", "content": a.text}]
+            s["reasons"].append(a.finish_reason)
+            counts["turns"] += 1
+            counts["new_tokens"] += a.new_tokens
+            counts[f"finish_{a.finish_reason}"] += 1
+            if not a.text:
+                counts["empty_answers"] += 1
+    out = []
+    for s in states:
+        if not any(m["role"] == "assistant" for m in s["messages"]):
+            counts["dropped_prompt_too_long"] += 1
+            continue
+        out.append({"id": s["conv"].id, "source_index": s["index"], "messages": s["messages"], "finish_reasons": s["reasons"]})
+    return out
+
+
+def read_done(path: Path) -> set[int]:
+    """Source indices already written. A torn last line (killed mid-write) is cut off."""
+    if not path.is_file():
+        return set()
+    raw = path.read_bytes()
+    good = raw[: raw.rfind(b"\n") + 1]
+    if len(good) != len(raw):
+        with open(path, "r+b") as f:
+            f.truncate(len(good))
+    done = set()
+    for lineno, line in enumerate(good.decode().splitlines(), 1):
+        try:
+            done.add(int(json.loads(line)["source_index"]))
+        except (json.JSONDecodeError, KeyError, ValueError) as e:
+            raise EyasError(f"{path}:{lineno}: unreadable record ({type(e).__name__}); delete the file to start over") from None
+    return done
+
+
+def append_records(path: Path, records: list[dict[str, Any]]) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def main(cfg: EyasConfig) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    rc, pc = cfg.regenerate, cfg.prepare
+    out = cfg.stage_dir("regenerate")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)  # incomplete until this run finishes
+    artifacts.atomic_write_text(out / "config.yaml", dump_config(cfg))
+    tok = load_tokenizer(cfg.target)
+    convs, load_counts = load_conversations(pc.data, pc.format, pc.max_conversations, pc.system_prompt)
+    path = out / OUTPUT
+    done = read_done(path)
+    todo = [c for c in convs if c.index not in done]
+    if done:
+        print(f"[eyas:regenerate] resuming: {len(done)} conversations already done, {len(todo)} to go", flush=True)
+    backend = ServerBackend(cfg) if rc.backend == "server" else HFBackend(cfg, tok)
+    counts: Counter = Counter()
+    t0 = time.perf_counter()
+    bar = tqdm(total=len(todo), desc="regenerate", unit="conv", dynamic_ncols=True)
+    for b in range(0, len(todo), rc.chunk_conversations):
+        chunk = todo[b : b + rc.chunk_conversations]
+        records = regenerate_chunk(backend, tok, chunk, rc, counts)
+        append_records(path, records)
+        bar.update(len(chunk))
+        bar.set_postfix(tok_s=f"{counts['new_tokens'] / max(time.perf_counter() - t0, 1e-9):,.0f}")
+    bar.close()
+    seconds = time.perf_counter() - t0
+    total = len(read_done(path))
+    summary = {
+        "conversations_in": len(convs),
+        "conversations_written": total,
+        "regenerated_now": len(todo),
+        "resumed_from": len(done),
+        "turns": counts["turns"],
+        "new_tokens": counts["new_tokens"],
+        "tokens_per_s": counts["new_tokens"] / seconds if seconds > 0 else 0.0,
+        "seconds": round(seconds, 2),
+        "counts": dict(counts),
+        "load_counts": dict(load_counts),
+        "server_retries": getattr(backend, "retried", 0),
+    }
+    artifacts.write_meta(
+        out,
+        "regenerate",
+        config={"target": to_dict(cfg.target), "regenerate": to_dict(rc), "prepare": to_dict(pc)},
+        target=describe_target(cfg.target),
+        counts=summary,
+        output=OUTPUT,
+    )
+    print(
+        f"[eyas:regenerate] wrote {path}: {total} conversations ({len(todo)} now, {len(done)} resumed), "
+        f"{counts['turns']} turns, {counts['new_tokens']:,} new tokens in {seconds:.1f} s "
+        f"({summary['tokens_per_s']:,.0f} tok/s); finish: stop {counts['finish_stop']}, length {counts['finish_length']}",
+        flush=True,
+    )
+    return summary
