@@ -1,9 +1,72 @@
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+
+from eyas.config.base import require
+
+MODES = ("chain", "tree", "both")
+DTYPES = ("", "auto", "bfloat16", "float16", "float32")
 
 
 @dataclass
 class EvaluateConfig:
+    draft: str = ""
+    """The draft to evaluate: eyas's own checkpoint (a directory with draft_config.json, as the
+    trainer writes) or an exported vLLM/SGLang directory; empty = RUN_DIR/train/final."""
+    bench: str = "mtbench"
+    """Prompts: `mtbench` (the 80 MT-bench questions, 2 turns each; the second turn follows the
+    model's own first answer) or a JSONL file with one {"turns": [...]}, {"prompt": "..."} or
+    JSON string per line."""
+    num_questions: int = 0
+    """Use the first N questions of the bench (0 = all)."""
+    max_new_tokens: int = 256
+    """New tokens per turn (generation also stops at the target's end-of-turn tokens)."""
+    mode: str = "chain"
+    """chain (num_draft_tokens tokens per step), tree (EAGLE-2 dynamic tree) or both."""
+    num_draft_tokens: int = 7
+    """Chain mode: draft tokens proposed per verify pass."""
+    tree_total_tokens: int = 60
+    """Tree mode: draft nodes kept per tree (root excluded); one verify forward feeds them + the root."""
+    tree_depth: int = 8
+    """Tree mode: most draft tokens on one root-to-leaf path."""
+    tree_top_k: int = 10
+    """Tree mode: children per expanded node, and nodes expanded per level."""
+    temperature: float = 0.0
+    """0 = greedy (exact: output equal to the target's greedy output); > 0 = speculative sampling
+    at this temperature (the output distribution is the target's at that temperature). Trees
+    under sampling use point-mass proposals (see docs/evaluate.md)."""
+    seed: int = -1
+    """Seed of the sampling RNG; -1 = the top-level seed."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu, cuda or cuda:N."""
+    dtype: str = ""
+    """Weights/activations dtype of target and draft; empty = target.dtype (auto: bf16 on GPU, fp32 on CPU)."""
+    lossless_check: bool = True
+    """Under greedy: compare every speculative output with target-only greedy decoding token for
+    token and fail the run at the first difference (ignored when temperature > 0)."""
+    measure_speedup: bool = True
+    """Time target-only decoding on the same prompts and device (warm-up excluded) and report the
+    wall-clock speedup. Under greedy with lossless_check the baseline runs anyway."""
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/evaluate."""
+
+    def __post_init__(self) -> None:
+        require(bool(self.bench), "evaluate.bench is empty: give `mtbench` or a JSONL file of prompts")
+        require(self.num_questions >= 0, f"evaluate.num_questions={self.num_questions} must be >= 0 (0 = all)")
+        require(self.max_new_tokens >= 1, f"evaluate.max_new_tokens={self.max_new_tokens} must be >= 1")
+        require(self.mode in MODES, f"evaluate.mode={self.mode!r}: choose one of {', '.join(MODES)}")
+        require(self.num_draft_tokens >= 1, f"evaluate.num_draft_tokens={self.num_draft_tokens} must be >= 1")
+        require(self.tree_total_tokens >= 1, f"evaluate.tree_total_tokens={self.tree_total_tokens} must be >= 1")
+        require(self.tree_depth >= 1, f"evaluate.tree_depth={self.tree_depth} must be >= 1")
+        require(self.tree_top_k >= 1, f"evaluate.tree_top_k={self.tree_top_k} must be >= 1")
+        require(self.temperature >= 0, f"evaluate.temperature={self.temperature} must be >= 0 (0 = greedy)")
+        require(self.seed >= -1, f"evaluate.seed={self.seed} must be >= 0, or -1 for the top-level seed")
+        require(
+            self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None,
+            f"evaluate.device={self.device!r}: choose auto, cpu, cuda or cuda:N",
+        )
+        require(
+            self.dtype in DTYPES,
+            f"evaluate.dtype={self.dtype!r}: choose auto, bfloat16, float16, float32 or empty (= target.dtype)",
+        )

@@ -1,0 +1,429 @@
+"""evaluate: speculative decoding with the trained draft — acceptance length tau, per-position
+acceptance, draft/verify time, wall-clock speedup over target-only decoding, and a lossless check.
+
+    eyas evaluate --draft runs/eyas/train/final --bench mtbench --mode both
+    eyas evaluate recipe.yaml --evaluate.num_questions=10 --evaluate.temperature=0.7
+
+One process on one device (decoding is one sequence at a time; there is no torchrun form).
+Everything runs in-process with HF models (eyas.spec): the target verifies with a KV cache and
+hands the draft its aux hidden states exactly as the extract stage captured them for training.
+
+Per prompt (MT-bench: 2 turns per question; turn 2 is rendered with the model's own turn-1
+answer) the target-only baseline and each mode decode with the same prompts, seeds and device;
+one warm-up generation of each precedes the timed ones. Under greedy decoding every speculative
+output must equal the baseline token for token (`lossless_check`): a difference fails the run
+(exit 2) after results.json is written, naming the first diverging position.
+
+Output (RUN_DIR/evaluate/): results.json (tau_chain / tau_tree, per-position acceptance,
+accepted-length histogram, times, speedup, lossless, per-prompt records), meta.json, config.yaml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from eyas import artifacts
+from eyas.assets import sha256_file
+from eyas.config import EyasConfig, dump_config, to_dict
+from eyas.errors import ArtifactError, ConfigError, DataError, EyasError
+from eyas.spec import Generation, SpecStats, speculative_generate, target_generate
+from eyas.target import describe_target, load_model, load_tokenizer, resolve_dtype
+
+WARMUP_TOKENS = 8
+
+
+class LosslessError(EyasError):
+    """Greedy speculative output differs from target-only greedy output."""
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+
+def load_bench(bench: str, num_questions: int = 0) -> list[dict[str, Any]]:
+    """-> [{"id", "turns": [user message, ...]}]: MT-bench or a JSONL file (see EvaluateConfig.bench)."""
+    from eyas.assets import load_mtbench
+
+    if bench in ("mtbench", "embedded:mtbench"):
+        questions = [
+            {"id": str(q.get("question_id", i)), "turns": list(q["turns"])} for i, q in enumerate(load_mtbench())
+        ]
+    else:
+        path = Path(bench)
+        if not path.is_file():
+            raise ConfigError(f"evaluate.bench={bench!r}: not `mtbench` and no such file")
+        questions = []
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    questions.append(_bench_record(path, lineno, line))
+        if not questions:
+            raise DataError(f"{path}: no prompts (expected one JSON object or string per line)")
+    return questions[:num_questions] if num_questions else questions
+
+
+def _bench_record(path: Path, lineno: int, line: str) -> dict[str, Any]:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: malformed JSON line: {e.msg}") from None
+    if isinstance(rec, str):
+        rec = {"turns": [rec]}
+    elif isinstance(rec, dict) and "turns" not in rec and isinstance(rec.get("prompt"), str):
+        rec = {**rec, "turns": [rec["prompt"]]}
+    turns = rec.get("turns") if isinstance(rec, dict) else None
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise DataError(
+            f'{path}:{lineno}: expected {{"turns": [non-empty strings]}}, {{"prompt": "..."}} or a JSON string'
+        )
+    return {"id": str(rec.get("question_id", rec.get("id", lineno))), "turns": turns}
+
+
+def bench_hash(bench: str) -> str:
+    from eyas.assets import mtbench_path
+
+    return sha256_file(mtbench_path() if bench in ("mtbench", "embedded:mtbench") else bench)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"evaluate.device={name!r} but CUDA is not available; use --evaluate.device=cpu")
+    return torch.device(name)
+
+
+def resolve_draft_dir(draft_dir: Path) -> Path:
+    """eyas's checkpoint or one exported layout; `eyas export`'s output root -> a layout inside it."""
+    from eyas.draft import DRAFT_CONFIG
+
+    if not draft_dir.is_dir():
+        raise ArtifactError(
+            f"evaluate.draft={str(draft_dir)!r}: no such directory (train a draft with `eyas train`, "
+            "or point --evaluate.draft at one)"
+        )
+    if (draft_dir / DRAFT_CONFIG).is_file() or (draft_dir / "config.json").is_file():
+        return draft_dir
+    layouts = [draft_dir / f for f in ("speculators", "sglang") if (draft_dir / f / "config.json").is_file()]
+    return layouts[0] if layouts else draft_dir
+
+
+def draft_weights_file(draft_dir: Path) -> Path:
+    from eyas.draft import DRAFT_WEIGHTS
+
+    own = draft_dir / DRAFT_WEIGHTS
+    return own if own.is_file() else draft_dir / "model.safetensors"
+
+
+def load_eval_draft(draft_dir: Path, embed_weight_VD: torch.Tensor, device: torch.device, dtype: torch.dtype):
+    """eyas's own checkpoint (draft_config.json) via load_draft, else an exported directory."""
+    from eyas.draft import DRAFT_CONFIG, load_draft
+
+    draft_dir = resolve_draft_dir(draft_dir)
+    if (draft_dir / DRAFT_CONFIG).is_file():
+        draft = load_draft(draft_dir, embed_weight_VD, device=device)
+    else:
+        from eyas.export import load_exported
+
+        draft = load_exported(draft_dir, embed_weight_VD)
+    return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def check_draft_fits(draft, target) -> None:
+    """The draft must have been built for this target: vocab, hidden size, aux layers."""
+    from eyas.capture import num_layers, text_config
+
+    c, t = draft.config, text_config(target)
+    problems = []
+    if c.vocab_size != t.vocab_size:
+        problems.append(f"vocab size {c.vocab_size} != target's {t.vocab_size}")
+    if c.target_hidden_size != t.hidden_size:
+        problems.append(f"target_hidden_size {c.target_hidden_size} != target's hidden size {t.hidden_size}")
+    ids = list(c.aux_layer_ids)
+    if len(ids) != c.num_aux_layers or not all(0 <= k < num_layers(target) for k in ids):
+        problems.append(
+            f"aux_layer_ids {ids} do not fit num_aux_layers={c.num_aux_layers} and a {num_layers(target)}-layer target"
+        )
+    if problems:
+        raise ArtifactError(
+            "the draft does not fit the target (" + "; ".join(problems) + "): pass the target it was trained "
+            "for with --target.model, or the matching draft with --evaluate.draft"
+        )
+
+
+def stop_token_ids(tok, target) -> frozenset[int]:
+    """End-of-turn ids: the tokenizer's eos and the generation config's eos list."""
+    ids = set()
+    for src in (tok.eos_token_id, getattr(getattr(target, "generation_config", None), "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif isinstance(src, (list, tuple)):
+            ids.update(int(i) for i in src)
+    return frozenset(ids)
+
+
+def render(tok, messages: list[dict[str, str]]) -> list[int]:
+    """The target's chat template with the generation prompt, tokenised without extra specials."""
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+# --- running ------------------------------------------------------------------------------------
+
+
+def run_conversations(
+    generate: Callable[[torch.Tensor], Generation], tok, questions: list[dict[str, Any]], device, stop_ids
+) -> list[dict[str, Any]]:
+    """Decode every turn of every question with `generate`; turn i+1 sees the model's own answer i.
+    -> one record per turn: id, turn, prompt_tokens, tokens, wall_s, stats."""
+    out = []
+    for q in questions:
+        messages: list[dict[str, str]] = []
+        for turn, user in enumerate(q["turns"]):
+            messages.append({"role": "user", "content": user})
+            ids = render(tok, messages)
+            gen = generate(torch.tensor(ids, device=device))
+            out.append({"id": q["id"], "turn": turn, "prompt_tokens": len(ids), "gen": gen})
+            answer = tok.decode([t for t in gen.tokens if t not in stop_ids], skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": answer})
+    return out
+
+
+def first_divergence(spec: list[int], ref: list[int]) -> int | None:
+    """Index of the first differing new token (a length difference counts), None when equal."""
+    for i, (a, b) in enumerate(zip(spec, ref)):
+        if a != b:
+            return i
+    return None if len(spec) == len(ref) else min(len(spec), len(ref))
+
+
+def summarize(stats: SpecStats, output_tokens: int, baseline: dict[str, Any] | None) -> dict[str, Any]:
+    speedup = None
+    if baseline and baseline["wall_s"] > 0 and stats.wall_s > 0 and baseline["output_tokens"] > 0:
+        # throughput ratio; under greedy both produce the same tokens, so it is the wall-time ratio
+        speedup = (output_tokens / stats.wall_s) / (baseline["output_tokens"] / baseline["wall_s"])
+    return {
+        "tau": stats.tau,
+        "mean_accepted": stats.tau - 1 if stats.verify_passes else 0.0,
+        "verify_passes": stats.verify_passes,
+        "total_new_tokens": stats.new_tokens,
+        "output_tokens": output_tokens,
+        "acceptance_per_position": stats.acceptance_per_position(),
+        "accept_length_histogram": list(stats.accept_counts),
+        "prefill_time_s": stats.prefill_time_s,
+        "draft_time_s": stats.draft_time_s,
+        "verify_time_s": stats.verify_time_s,
+        "wall_s": stats.wall_s,
+        "speedup": speedup,
+    }
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+@dataclasses.dataclass
+class Setup:
+    tok: Any
+    target: Any
+    draft: Any
+    device: torch.device
+    dtype: torch.dtype
+    draft_dir: Path
+    stop_ids: frozenset[int]
+    seed: int
+
+
+def load_setup(cfg: EyasConfig) -> Setup:
+    ec = cfg.evaluate
+    draft_dir = resolve_draft_dir(Path(ec.draft) if ec.draft else Path(cfg.run_dir) / "train" / "final")
+    device = resolve_device(ec.device)
+    target_cfg = dataclasses.replace(cfg.target, dtype=ec.dtype) if ec.dtype else cfg.target
+    dtype = resolve_dtype(target_cfg.dtype, str(device))
+    tok = load_tokenizer(target_cfg)
+    # sdpa: tree verification passes a custom 4-D mask, which flash-attention kernels do not take
+    target = load_model(target_cfg, device=device, attn_implementation="sdpa")
+    draft = load_eval_draft(draft_dir, target.get_input_embeddings().weight, device, dtype)
+    check_draft_fits(draft, target)
+    seed = cfg.seed if ec.seed < 0 else ec.seed
+    return Setup(tok, target, draft, device, dtype, draft_dir, stop_token_ids(tok, target), seed)
+
+
+def decoder(s: Setup, ec, mode: str | None, max_new_tokens: int) -> Callable[[torch.Tensor], Generation]:
+    """prompt ids -> Generation: target-only (mode None) or speculative in `mode`, fresh seeded RNG."""
+    gen = _generator(s.device, s.seed)
+    if mode is None:
+        return lambda ids: target_generate(
+            s.target, ids, max_new_tokens=max_new_tokens, temperature=ec.temperature, generator=gen,
+            stop_ids=s.stop_ids,
+        )  # fmt: skip
+    return lambda ids: speculative_generate(
+        s.target, s.draft, ids, max_new_tokens=max_new_tokens, mode=mode, num_draft_tokens=ec.num_draft_tokens,
+        tree_total_tokens=ec.tree_total_tokens, tree_depth=ec.tree_depth, tree_top_k=ec.tree_top_k,
+        temperature=ec.temperature, generator=gen, stop_ids=s.stop_ids,
+    )  # fmt: skip
+
+
+def warm_up(s: Setup, ec, questions: list[dict[str, Any]], modes: list[str]) -> None:
+    """One short generation per decoder (kernels, allocator, lazy inits), not timed."""
+    ids = torch.tensor(render(s.tok, [{"role": "user", "content": questions[0]["turns"][0]}]), device=s.device)
+    for mode in [None, *modes]:
+        decoder(s, ec, mode, WARMUP_TOKENS)(ids)
+
+
+def compare(spec: list[int], ref: list[int]) -> dict[str, Any] | None:
+    """None when equal, else the first diverging new-token index and both tokens there."""
+    pos = first_divergence(spec, ref)
+    if pos is None:
+        return None
+    return {
+        "position": pos,
+        "speculative": spec[pos] if pos < len(spec) else None,
+        "target_only": ref[pos] if pos < len(ref) else None,
+    }
+
+
+def collect_results(
+    base_runs: list[dict[str, Any]] | None, spec_runs: dict[str, list[dict[str, Any]]], check: bool
+) -> dict[str, Any]:
+    """Pool the runs of every mode; compare with the baseline when `check` (greedy)."""
+    baseline = None
+    if base_runs is not None:
+        baseline = {
+            "wall_s": sum(r["gen"].wall_s for r in base_runs),
+            "output_tokens": sum(len(r["gen"].tokens) for r in base_runs),
+        }
+    records: dict[tuple[str, int], dict[str, Any]] = {}
+    summaries, divergences = {}, []
+    for mode, runs in spec_runs.items():
+        pooled = SpecStats()
+        for i, r in enumerate(runs):
+            gen: Generation = r["gen"]
+            pooled.merge(gen.stats)
+            key = (r["id"], r["turn"])
+            rec = records.setdefault(key, {"id": r["id"], "turn": r["turn"], "prompt_tokens": r["prompt_tokens"]})
+            entry: dict[str, Any] = {
+                "output_tokens": len(gen.tokens),
+                "new_tokens": gen.stats.new_tokens,
+                "verify_passes": gen.stats.verify_passes,
+                "tau": gen.stats.tau,
+                "wall_s": gen.wall_s,
+            }
+            if base_runs is not None:
+                ref = base_runs[i]["gen"]
+                rec["target_only"] = {"output_tokens": len(ref.tokens), "wall_s": ref.wall_s}
+                if check:
+                    diff = compare(gen.tokens, ref.tokens)
+                    entry["lossless"] = diff is None
+                    if diff is not None:
+                        entry["first_divergence"] = diff
+                        divergences.append({"mode": mode, "id": r["id"], "turn": r["turn"], **diff})
+            rec[mode] = entry
+        summaries[mode] = summarize(pooled, sum(len(r["gen"].tokens) for r in runs), baseline)
+    primary = summaries["tree" if "tree" in summaries else "chain"]
+    return {
+        **{f"tau_{m}": v["tau"] for m, v in summaries.items()},
+        **primary,
+        "target_only_wall_s": baseline["wall_s"] if baseline else None,
+        "target_only_output_tokens": baseline["output_tokens"] if baseline else None,
+        "lossless": (not divergences) if check else None,
+        "lossless_checked": check,
+        "num_divergent": len(divergences),
+        "first_divergence": divergences[0] if divergences else None,
+        "modes": summaries,
+        "num_prompts": len(records),
+        "records": list(records.values()),
+    }
+
+
+def main(cfg: EyasConfig) -> dict[str, Any]:
+    ec = cfg.evaluate
+    out_dir = cfg.stage_dir("evaluate")
+    questions = load_bench(ec.bench, ec.num_questions)  # before any model: a bad bench fails fast
+    s = load_setup(cfg)
+    modes = ["chain", "tree"] if ec.mode == "both" else [ec.mode]
+    check = ec.temperature == 0 and ec.lossless_check
+    warm_up(s, ec, questions, modes)
+    num_prompts = sum(len(q["turns"]) for q in questions)
+    base_runs = None
+    if check or ec.measure_speedup:
+        print(f"[eyas:evaluate] target-only decoding of {num_prompts} prompts", flush=True)
+        base_runs = run_conversations(decoder(s, ec, None, ec.max_new_tokens), s.tok, questions, s.device, s.stop_ids)
+    spec_runs = {}
+    for mode in modes:
+        print(f"[eyas:evaluate] {mode} speculative decoding of {num_prompts} prompts", flush=True)
+        gen = decoder(s, ec, mode, ec.max_new_tokens)
+        spec_runs[mode] = run_conversations(gen, s.tok, questions, s.device, s.stop_ids)
+    results = collect_results(base_runs, spec_runs, check)
+    results["num_questions"] = len(questions)
+    results["settings"] = {
+        "mode": ec.mode,
+        "temperature": ec.temperature,
+        "max_new_tokens": ec.max_new_tokens,
+        "num_draft_tokens": ec.num_draft_tokens,
+        "tree_total_tokens": ec.tree_total_tokens,
+        "tree_depth": ec.tree_depth,
+        "tree_top_k": ec.tree_top_k,
+        "seed": s.seed,
+        "device": str(s.device),
+        "dtype": str(s.dtype).replace("torch.", ""),
+        "draft": str(s.draft_dir),
+        "bench": ec.bench,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    artifacts.atomic_write_json(out_dir / "results.json", results)
+    artifacts.atomic_write_text(out_dir / "config.yaml", dump_config(cfg))
+    artifacts.write_meta(
+        out_dir,
+        "evaluate",
+        config={"target": to_dict(cfg.target), "evaluate": to_dict(ec)},
+        target=describe_target(cfg.target),
+        draft=str(s.draft_dir),
+        hashes={"draft_weights": sha256_file(draft_weights_file(s.draft_dir)), "bench": bench_hash(ec.bench)},
+        counts={
+            "questions": len(questions),
+            "prompts": results["num_prompts"],
+            **{f"tau_{m}": results[f"tau_{m}"] for m in modes},
+        },
+    )
+    print(format_table(results))
+    if results["lossless"] is False:
+        d = results["first_divergence"]
+        raise LosslessError(
+            f"{results['num_divergent']} greedy speculative output(s) differ from target-only greedy decoding; first: "
+            f"mode {d['mode']}, question {d['id']} turn {d['turn']}, new token #{d['position']}: speculative "
+            f"{d['speculative']} vs target-only {d['target_only']} (all in {out_dir / 'results.json'}). In bf16/fp16 a "
+            "near-tie can flip between a multi-token verify and a one-token decode; re-run with "
+            "--evaluate.dtype=float32 to tell numerics from a bug"
+        )
+    return results
+
+
+def format_table(results: dict[str, Any]) -> str:
+    header = ("mode", "tau", "passes", "new tok", "draft s", "verify s", "wall s", "speedup")
+    widths = (-7, 7, 8, 9, 9, 10, 9, 9)  # negative: left-aligned
+
+    def row(*cells) -> str:
+        return "".join(f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, w in zip(cells, widths))
+
+    lines = [row(*header)]
+    for mode, r in results["modes"].items():
+        speedup = f"{r['speedup']:.2f}x" if r["speedup"] is not None else "-"
+        times = (f"{r[k]:.2f}" for k in ("draft_time_s", "verify_time_s", "wall_s"))
+        lines.append(row(mode, f"{r['tau']:.3f}", r["verify_passes"], r["total_new_tokens"], *times, speedup))
+    if results["target_only_wall_s"] is not None:
+        tokens, wall = results["target_only_output_tokens"], f"{results['target_only_wall_s']:.2f}"
+        lines.append(row("target", "", "", tokens, "", "", wall, "1.00x"))
+    for mode, r in results["modes"].items():
+        cond = " ".join(f"{p['conditional']:.2f}" for p in r["acceptance_per_position"])
+        lines.append(f"{mode} P(accept | reached) by position: {cond or '-'}")
+        lines.append(f"{mode} accepted-length histogram: {r['accept_length_histogram']}")
+    if results["lossless_checked"]:
+        lines.append(f"lossless (greedy == target-only greedy on every prompt): {results['lossless']}")
+    return "\n".join(lines)

@@ -1,0 +1,177 @@
+"""eyas run RECIPE.yaml: every stage in order, in one run directory, skipping what is up to date.
+
+    eyas run recipes/demo-cpu.yaml
+    eyas run recipes/smollm2-sharegpt.yaml --train.epochs=3     # re-runs train, export, evaluate
+
+Stages: regenerate (only with `regenerate.enabled`; prepare then reads its conversations) ->
+prepare -> extract -> train -> export -> evaluate. Each stage has a *run key*: the hash of the config
+sections that define its output and of the key of the stage before it. A stage whose `meta.json`
+carries the same key is skipped (a line says so); a changed key re-runs that stage, and since the
+keys chain, every stage after it. RUN_DIR holds one subdirectory per stage, `run.log` (everything
+printed) and `summary.json` (per-stage wall time and throughput, tau_chain, tau_tree,
+acceptance_per_position, lossless, speedup).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from eyas import artifacts
+from eyas.config import EyasConfig, to_dict
+from eyas.errors import ArtifactError
+
+ORDER = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
+MODULES = {
+    "regenerate": "eyas.regenerate",
+    "prepare": "eyas.prepare",
+    "extract": "eyas.extract",
+    "train": "eyas.train",
+    "export": "eyas.export",
+    "evaluate": "eyas.evaluate",
+}
+# The config sections whose values define each stage's output (besides the stage before it).
+SECTIONS = {
+    "regenerate": ("target", "prepare", "regenerate"),
+    "prepare": ("target", "prepare"),
+    "extract": ("target", "extract"),
+    "train": ("target", "train", "seed"),
+    "export": ("export",),
+    "evaluate": ("target", "evaluate", "seed"),
+}
+
+
+def stage_plan(cfg: EyasConfig) -> tuple[EyasConfig, list[str]]:
+    """The stages to run and the config they see (prepare reads regenerate's output when enabled)."""
+    cfg = copy.deepcopy(cfg)
+    stages = [s for s in ORDER if s != "regenerate" or cfg.regenerate.enabled]
+    if cfg.regenerate.enabled:
+        cfg.prepare.data = str(cfg.stage_dir("regenerate") / "conversations.jsonl")
+        cfg.prepare.format = "openai"
+    return cfg, stages
+
+
+def run_keys(cfg: EyasConfig, stages: list[str]) -> dict[str, str]:
+    keys, prev = {}, ""
+    for s in stages:
+        sections = {name: to_dict(getattr(cfg, name)) for name in SECTIONS[s]}
+        if s == "regenerate":  # regenerate reads only the data fields of prepare
+            p = sections["prepare"]
+            sections["prepare"] = {k: p[k] for k in ("data", "format", "max_conversations", "system_prompt")}
+        keys[s] = prev = artifacts.hash_json({"stage": s, "sections": sections, "previous": prev})
+    return keys
+
+
+def up_to_date(stage_dir: Path, stage: str, key: str) -> bool:
+    try:
+        meta = artifacts.read_meta(stage_dir, stage)
+    except ArtifactError:
+        return False
+    return meta.get("run_key") == key
+
+
+class Tee:
+    """Copy everything written to a stream into the run log too."""
+
+    def __init__(self, stream, log):
+        self.stream, self.log = stream, log
+
+    def write(self, text):
+        self.stream.write(text)
+        self.log.write(text)
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+        self.log.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def main(cfg: EyasConfig) -> dict[str, Any]:
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "run.log", "a", encoding="utf-8") as log:
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = Tee(out, log), Tee(err, log)
+        try:
+            return _run(cfg, run_dir)
+        finally:
+            sys.stdout, sys.stderr = out, err
+
+
+def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
+    cfg, stages = stage_plan(cfg)
+    keys = run_keys(cfg, stages)
+    print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
+    record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
+    for s in stages:
+        out = cfg.stage_dir(s)
+        if up_to_date(out, s, keys[s]):
+            print(f"[eyas:run] {s}: up to date in {out}, skipped", flush=True)
+            meta = artifacts.read_meta(out, s)
+            record["stages"][s] = {"status": "skipped", "dir": str(out), **_throughput(s, meta), "wall_s": meta.get("run_wall_s")}
+            continue
+        print(f"[eyas:run] {s}: running -> {out}", flush=True)
+        t0 = time.perf_counter()
+        importlib.import_module(MODULES[s]).main(cfg)
+        wall = time.perf_counter() - t0
+        meta = artifacts.read_meta(out, s)  # a stage that wrote no complete meta.json is an error
+        meta["run_key"] = keys[s]
+        meta["run_wall_s"] = round(wall, 2)
+        artifacts.atomic_write_json(out / "meta.json", meta)
+        record["stages"][s] = {"status": "ran", "dir": str(out), "wall_s": round(wall, 2), **_throughput(s, meta)}
+        if s == "train":
+            _plot(cfg)
+    record.update(_evaluation(cfg.stage_dir("evaluate")) if "evaluate" in stages else {})
+    artifacts.atomic_write_json(run_dir / "summary.json", record)
+    print_summary(record)
+    return record
+
+
+def _throughput(stage: str, meta: dict[str, Any]) -> dict[str, Any]:
+    counts = meta.get("counts") or meta.get("summary") or {}
+    tps = counts.get("tokens_per_s", meta.get("tokens_per_s"))
+    return {"tokens_per_s": tps} if tps is not None else {}
+
+
+def _plot(cfg: EyasConfig) -> None:
+    try:
+        plot = importlib.import_module("eyas.plot")
+    except ImportError as e:
+        print(f"[eyas:run] plots skipped: {e}", flush=True)
+        return
+    c = copy.deepcopy(cfg)
+    c.plot.run_dir = str(cfg.stage_dir("train"))
+    plot.main(c)
+
+
+def _evaluation(eval_dir: Path) -> dict[str, Any]:
+    path = eval_dir / "results.json"
+    if not path.is_file():
+        raise ArtifactError(f"{path} is missing: the evaluate stage wrote no results")
+    res = json.loads(path.read_text())
+    keys = ("tau_chain", "tau_tree", "acceptance_per_position", "lossless", "speedup")
+    return {k: res.get(k) for k in keys}
+
+
+def print_summary(rec: dict[str, Any]) -> None:
+    lines = [f"[eyas:run] summary ({rec['run_dir']}/summary.json)"]
+    for s, r in rec["stages"].items():
+        tps = f"{r['tokens_per_s']:,.0f} tok/s" if r.get("tokens_per_s") else ""
+        wall = f"{r['wall_s']:.1f} s" if r.get("wall_s") is not None else ""
+        lines.append(f"  {s:<11} {r['status']:<8} {wall:>10} {tps:>16}  {r['dir']}")
+    if "tau_chain" in rec:
+        lines.append(f"  tau chain   {rec['tau_chain']}")
+        lines.append(f"  tau tree    {rec['tau_tree']}")
+        acc = rec.get("acceptance_per_position") or []
+        lines.append("  acceptance  " + " ".join(f"{a:.2f}" for a in acc if isinstance(a, (int, float))))
+        lines.append(f"  lossless    {rec['lossless']}")
+        lines.append(f"  speedup     {rec['speedup']}")
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,222 @@
+"""The evaluate stage: config, bench loading, result pooling, lossless failure, and `eyas evaluate`
+end to end (a tiny random Llama carrying SmolLM2's real tokenizer and chat template, so it runs in
+seconds; the real SmolLM2 run is marked slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eyas.config import load_config
+from eyas.errors import ConfigError, DataError
+from eyas.evaluate import collect_results, first_divergence, load_bench, load_eval_draft
+from eyas.spec import Generation, SpecStats
+from spec_helpers import random_draft, tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+# --- config and inputs -------------------------------------------------------------------------------
+
+
+def test_config_defaults_and_validation():
+    ec = load_config(None, []).evaluate
+    assert (ec.num_draft_tokens, ec.tree_total_tokens, ec.tree_depth, ec.tree_top_k) == (7, 60, 8, 10)
+    assert ec.temperature == 0 and ec.lossless_check and ec.measure_speedup
+    with pytest.raises(ConfigError, match="evaluate.mode"):
+        load_config(None, ["--evaluate.mode=beam"])
+    with pytest.raises(ConfigError, match="evaluate.temperature"):
+        load_config(None, ["--evaluate.temperature=-1"])
+    with pytest.raises(ConfigError, match="evaluate.device"):
+        load_config(None, ["--evaluate.device=tpu"])
+    with pytest.raises(ConfigError, match="did you mean 'evaluate.tree_depth'"):
+        load_config(None, ["--evaluate.tree_dept=3"])
+
+
+def test_cli_short_flags_reach_the_evaluate_section():
+    from eyas.cli import _own_section, _split
+
+    path, overrides = _split(["--draft", "d", "--mode", "tree", "--bench=q.jsonl"])
+    cfg = load_config(path, _own_section("evaluate", overrides))
+    assert (cfg.evaluate.draft, cfg.evaluate.mode, cfg.evaluate.bench) == ("d", "tree", "q.jsonl")
+
+
+def test_load_bench_mtbench_and_jsonl(tmp_path):
+    mt = load_bench("mtbench")
+    assert len(mt) == 80 and all(len(q["turns"]) == 2 for q in mt)
+    assert len(load_bench("mtbench", 3)) == 3
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"turns": ["a", "b"], "question_id": 7}\n\n{"prompt": "c"}\n"d"\n')
+    expected = [{"id": "7", "turns": ["a", "b"]}, {"id": "3", "turns": ["c"]}, {"id": "4", "turns": ["d"]}]
+    assert load_bench(str(f)) == expected  # ids: question_id, else the line number
+    f.write_text('{"turns": ["a"]}\n{"turns": []}\n')
+    with pytest.raises(DataError, match=r"p.jsonl:2"):
+        load_bench(str(f))
+    f.write_text("{oops\n")
+    with pytest.raises(DataError, match=r"p.jsonl:1: malformed"):
+        load_bench(str(f))
+    with pytest.raises(ConfigError, match="no such file"):
+        load_bench(str(tmp_path / "missing.jsonl"))
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def _gen(tokens, passes_accepted):
+    stats = SpecStats()
+    for n in passes_accepted:
+        stats.add_pass(n, n + 1)
+    stats.wall_s = 1.0
+    return Generation(tokens, 1.0, stats)
+
+
+def test_collect_results_pools_tau_and_reports_divergence():
+    base = [{"id": "q", "turn": 0, "prompt_tokens": 5, "gen": Generation([1, 2, 3, 4, 5, 6, 7], 2.0)},
+            {"id": "q", "turn": 1, "prompt_tokens": 9, "gen": Generation([8, 9, 10], 1.0)}]  # fmt: skip
+    chain = [{**base[0], "gen": _gen([1, 2, 3, 4, 5, 6, 7], [5])},  # 1 pass, 6 tokens (+1 from prefill)
+             {**base[1], "gen": _gen([8, 9, 11], [0, 0])}]  # 2 passes, 2 tokens; diverges at #2  # fmt: skip
+    r = collect_results(base, {"chain": chain}, check=True)
+    assert r["tau_chain"] == r["tau"] == 8 / 3  # pooled (6 + 2) / 3, not the mean of 6 and 1
+    assert r["accept_length_histogram"] == [2, 0, 0, 0, 0, 1]
+    assert r["lossless"] is False and r["num_divergent"] == 1
+    div = {"mode": "chain", "id": "q", "turn": 1, "position": 2, "speculative": 11, "target_only": 10}
+    assert r["first_divergence"] == div
+    assert r["speedup"] == pytest.approx((10 / 2.0) / (10 / 3.0))
+    assert r["records"][0]["chain"]["lossless"] and not r["records"][1]["chain"]["lossless"]
+    r = collect_results(None, {"chain": chain}, check=False)
+    assert r["lossless"] is None and r["speedup"] is None and r["target_only_wall_s"] is None
+
+
+# --- end to end ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template, saved as an HF
+    directory, and a random Eagle3Draft saved in eyas's own format where the trainer puts it."""
+    from transformers import AutoTokenizer
+
+    from eyas.draft import save_draft
+
+    root = tmp_path_factory.mktemp("eval")
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    target = tiny_llama(vocab=len(tok), hidden=32, layers=4, seed=0)
+    target.save_pretrained(str(root / "target"))
+    tok.save_pretrained(str(root / "target"))
+    draft = random_draft(target, aux_layer_ids=(0, 2, 3), draft_tokens=list(range(512)), seed=0)
+    save_draft(draft, root / "run" / "train" / "final")
+    bench = root / "bench.jsonl"
+    bench.write_text(json.dumps({"turns": ["Hi there!", "And again?"]}) + "\n" + json.dumps("Name a colour.") + "\n")
+    return root, draft
+
+
+def _args(root, *extra):
+    return [
+        "evaluate", f"--run_dir={root / 'run'}", f"--target.model={root / 'target'}", "--target.dtype=float32",
+        "--bench", str(root / "bench.jsonl"), "--max_new_tokens=6", "--device=cpu", "--tree_total_tokens=6",
+        "--tree_depth=3", "--tree_top_k=3", "--num_draft_tokens=3", *extra,
+    ]  # fmt: skip
+
+
+def test_eyas_evaluate_end_to_end(tiny_run, capsys):
+    from eyas.artifacts import read_meta
+    from eyas.cli import main
+
+    root, _ = tiny_run
+    assert main(_args(root, "--mode=both")) == 0
+    out = root / "run" / "evaluate"
+    r = json.loads((out / "results.json").read_text())
+    assert r["lossless"] is True and r["lossless_checked"]
+    assert r["num_questions"] == 2 and r["num_prompts"] == 3  # the second turn is its own prompt
+    for mode in ("chain", "tree"):
+        m = r["modes"][mode]
+        assert r[f"tau_{mode}"] == m["tau"] == m["total_new_tokens"] / m["verify_passes"] >= 1
+        assert sum(m["accept_length_histogram"]) == m["verify_passes"]
+        assert m["wall_s"] > 0 and m["speedup"] > 0 and m["draft_time_s"] > 0 and m["verify_time_s"] > 0
+    assert r["tau"] == r["tau_tree"] and r["target_only_wall_s"] > 0
+    assert [(rec["id"], rec["turn"]) for rec in r["records"]] == [("1", 0), ("1", 1), ("2", 0)]
+    assert all(rec["chain"]["lossless"] and rec["tree"]["lossless"] for rec in r["records"])
+    assert read_meta(out, "evaluate")["counts"]["prompts"] == 3
+    assert "P(accept | reached)" in capsys.readouterr().out
+
+
+def test_evaluate_fails_on_a_divergence(tiny_run, monkeypatch, capsys):
+    """A decoder that changes one token must fail the run (exit 2) naming the first diverging position."""
+    import eyas.evaluate
+    from eyas.cli import main
+    from eyas.spec import speculative_generate
+
+    def off_by_one(*args, **kwargs):
+        gen = speculative_generate(*args, **kwargs)
+        gen.tokens[3] += 1
+        return gen
+
+    root, _ = tiny_run
+    monkeypatch.setattr(eyas.evaluate, "speculative_generate", off_by_one)
+    assert main(_args(root, "--mode=chain", "--num_questions=1", f"--out_dir={root / 'bad'}")) == 2
+    assert "new token #3" in capsys.readouterr().err
+    r = json.loads((root / "bad" / "results.json").read_text())
+    assert r["lossless"] is False and r["first_divergence"]["position"] == 3
+
+
+def test_sampling_run_skips_the_lossless_check(tiny_run):
+    from eyas.evaluate import main
+
+    root, _ = tiny_run
+    cfg = load_config(None, [
+        f"--run_dir={root / 'run'}", f"--target.model={root / 'target'}", "--target.dtype=float32",
+        f"--evaluate.bench={root / 'bench.jsonl'}", "--evaluate.temperature=0.8", "--evaluate.measure_speedup=false",
+        "--evaluate.max_new_tokens=6", "--evaluate.device=cpu", "--evaluate.num_draft_tokens=3",
+        f"--evaluate.out_dir={root / 'sampled'}",
+    ])  # fmt: skip
+    r = main(cfg)
+    assert r["lossless"] is None and r["target_only_wall_s"] is None and r["tau_chain"] >= 1
+
+
+def test_exported_draft_loads_and_decodes_the_same(tiny_run, tmp_path):
+    """An `eyas export` SGLang directory (and its parent) loads back into the same draft."""
+    from eyas.export import export_draft
+
+    root, draft = tiny_run
+    export_draft(draft, tmp_path, formats=("sglang",), dtype="float32")
+    embed = draft.embed_weight
+    for where in (tmp_path / "sglang", tmp_path):
+        loaded = load_eval_draft(where, embed, torch.device("cpu"), torch.float32)
+        assert torch.equal(loaded.d2t, draft.d2t) and loaded.config.aux_layer_ids == [0, 2, 3]
+        h = torch.randn(1, 3, 32)
+        ids = torch.tensor([[1, 2, 3]])
+        pos = torch.arange(3)[None]
+        expected = draft.logits(draft.forward_step(ids, h, pos)[0])
+        torch.testing.assert_close(loaded.logits(loaded.forward_step(ids, h, pos)[0]), expected)
+
+
+@pytest.mark.slow
+def test_eyas_evaluate_smollm2_lossless(tmp_path, smollm2_dir):
+    """The real SmolLM2-135M-Instruct with a random Eagle3Draft, two MT-bench questions, both modes:
+    lossless under greedy (fp32 on CPU)."""
+    from transformers import AutoConfig
+
+    from eyas.draft import DraftConfig, Eagle3Draft, save_draft
+    from eyas.evaluate import main
+
+    tcfg = AutoConfig.from_pretrained(str(smollm2_dir))
+    draft = Eagle3Draft(DraftConfig.from_target(tcfg, draft_vocab_size=tcfg.vocab_size, aux_layer_ids=[2, 15, 27]))
+    save_draft(draft, tmp_path / "draft")
+    cfg = load_config(None, [
+        f"--run_dir={tmp_path}", "--target.dtype=float32", f"--evaluate.draft={tmp_path / 'draft'}",
+        "--evaluate.num_questions=1", "--evaluate.max_new_tokens=8", "--evaluate.mode=both", "--evaluate.device=cpu",
+        "--evaluate.tree_total_tokens=10", "--evaluate.tree_depth=3", "--evaluate.tree_top_k=4",
+    ])  # fmt: skip
+    r = main(cfg)
+    assert r["lossless"] is True and r["num_prompts"] == 2 and r["tau_chain"] >= 1 and r["tau_tree"] >= 1
