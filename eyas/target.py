@@ -77,3 +77,43 @@ def describe_target(cfg: TargetConfig) -> dict[str, Any]:
     if asset.is_file():
         info["asset"] = json.loads(asset.read_text())
     return info
+
+
+def resolve_dtype(name: str, device: str | None = None):
+    """`auto` -> bfloat16 on CUDA, float32 elsewhere; other names -> that torch dtype."""
+    import torch
+
+    if name == "auto":
+        on_cuda = str(device or "").startswith("cuda") or (device is None and torch.cuda.is_available())
+        return torch.bfloat16 if on_cuda else torch.float32
+    return getattr(torch, name)
+
+
+def load_model(cfg: TargetConfig, device=None, device_map=None, attn_implementation: str | None = None):
+    """The target causal LM in eval mode, dtype per `cfg.dtype` (auto: bf16 on CUDA, fp32 on CPU).
+
+    `device_map` (e.g. "auto") places the layers over the visible GPUs with accelerate; otherwise
+    the whole model goes to `device` (default: cuda when available, else cpu).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if device is None and not device_map:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = resolve_dtype(cfg.dtype, "cuda" if device_map and torch.cuda.is_available() else str(device))
+    kw = _hf_kwargs(cfg)
+    if attn_implementation:
+        kw["attn_implementation"] = attn_implementation
+    if device_map:
+        kw["device_map"] = device_map
+    path = model_path(cfg)
+    try:
+        # transformers >= 4.56 takes `dtype=` (`torch_dtype=` is its deprecated alias)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
+    except OSError as e:
+        raise EyasError(f"cannot load the weights of target.model={cfg.model!r} ({path}): {e}") from e
+    if not device_map:
+        model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,64 @@
+"""Process-group setup: one process is world size 1, `torchrun` gives N ranks; nothing else changes.
+
+    ddp, rank, local_rank, world_size, device = compute_init()   # reads RANK/WORLD_SIZE/LOCAL_RANK
+    ...
+    compute_cleanup()
+
+NCCL on CUDA, gloo on CPU. Models never import this module: stages call it around them.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def is_ddp() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def compute_init(device: str = "") -> tuple[bool, int, int, int, torch.device]:
+    """-> (ddp, rank, local_rank, world_size, device); joins the process group under torchrun.
+
+    `device` overrides the default (cuda:LOCAL_RANK when CUDA is available, else cpu).
+    """
+    ddp = is_ddp()
+    rank = int(os.environ.get("RANK", "0")) if ddp else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if ddp else 0
+    world_size = int(os.environ.get("WORLD_SIZE", "1")) if ddp else 1
+    if device:
+        dev = torch.device(device)
+    elif torch.cuda.is_available():
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if ddp and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        # long timeout: ranks wait at the final barrier for the slowest rank's extraction
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend=backend, timeout=timedelta(hours=6), **kwargs)
+    return ddp, rank, local_rank, world_size, dev
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_max(value: float, device: torch.device) -> float:
+    """Max of a float over ranks (the value itself at world size 1)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())  # .item(): a sync point, called once per run
+
+
+def compute_cleanup() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

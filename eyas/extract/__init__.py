@@ -1,0 +1,412 @@
+"""extract: the target's hidden states for every prepared sample -> sharded safetensors.
+
+    eyas extract [recipe.yaml] [--extract.verify=8 --extract.token_budget=32768]
+    torchrun --nproc-per-node 8 -m eyas extract [recipe.yaml]       # data parallel, same flags
+    torchrun --nproc-per-node 8 --no-python eyas extract [...]      # the same, via the console script
+
+What is stored per sample (read it back with `eyas.HiddenStates`): `input_ids`, `loss_mask`, the
+aux states `aux` [S, K, D] and the final state `final` [S, D]. Aux id k is the hidden state
+**entering** decoder layer k, HF `output_hidden_states[k]` (the EAGLE-3 reference and vLLM
+convention), default [2, L//2, L-3]; `final` is the output of the final norm, what the LM head
+sees, so training recomputes teacher logits as `lm_head(final)` instead of storing V-wide logits.
+Capture is a set of forward hooks found generically (eyas/capture.py), never a rewritten forward.
+
+How it runs:
+* **Preflight** before any weight is loaded: target config, layer ids vs num_hidden_layers, the
+  prepare output (readable, non-empty, made for this target), out dir writable, free disk >= the
+  estimate `tokens x (K+1) x D x bytes`, which is printed. A **smoke test** right after loading
+  sends one sample through the whole capture path (shape, dtype, finiteness).
+* **Batches** by token budget over the longest-first order (plan.py), right-padded without a mask
+  or packed (backend.py says why that is exact). Device->host copies go to pinned buffers on a side
+  stream and a background thread writes the shards (writer.py): the GPU waits only on a slow disk.
+  Weights and activations in bf16 on GPU, fp32 on CPU (`target.dtype`), stored as `extract.store_dtype`.
+* **Parity**: every sample of the first batch, and `extract.verify` more spread over the run, is
+  compared with a plain batch-1 `model.model(..., output_hidden_states=True)` (no hooks); a
+  relative error past `extract.parity_tol` stops the run naming the sample, layer and error.
+* **Failures**: a failing batch is recorded (stage, rank, sample ids, type, message or repr,
+  traceback) in errors.jsonl and on stderr. By default the run stops and exits non-zero; with
+  `extract.max_failures=N` the batch is retried sample by sample, failing samples are skipped and
+  listed in the summary and meta.json, and the exit code stays non-zero unless
+  `extract.allow_failures=true`.
+* **Resume**: shards are atomic and journalled (store.py); re-running the same command skips every
+  sample already stored, whatever happened to the previous run (kill -9 included).
+* **Scale**: under torchrun each rank extracts a disjoint, length-balanced share into its own
+  shards; rank 0 merges one index at the end. A target too large for one GPU is split over the
+  process's visible GPUs with `extract.device_map=auto` (accelerate's big-model placement; one
+  process, layers run in sequence, no tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas import artifacts, distributed
+from eyas.capture import check_layer_ids, default_layer_ids
+from eyas.config import EyasConfig, dump_config, to_dict
+from eyas.errors import ConfigError, DataError, EyasError, exception_message, record_error
+from eyas.extract import plan, store
+from eyas.extract.backend import HFBackend, check_parity, default_tolerance
+from eyas.extract.writer import Failures, HostCopier, Writer
+from eyas.prepared import Prepared
+from eyas.target import (describe_target, load_config, load_model, load_tokenizer, model_path, resolve_dtype,
+                         tokenizer_hash)
+
+
+@dataclass
+class Setup:
+    """Everything preflight learned without loading weights."""
+
+    out: Path
+    prepared: Prepared
+    layer_ids: list[int]
+    num_layers: int
+    hidden: int
+    compute_dtype: torch.dtype
+    store_dtype: torch.dtype
+    fingerprint: dict[str, Any]
+    indices: list[int]
+    entries: list[dict[str, Any]]
+    remaining: list[int]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return (len(self.layer_ids) + 1) * self.hidden * torch.empty((), dtype=self.store_dtype).element_size()
+
+
+def _log(rank: int, msg: str) -> None:
+    if rank == 0:
+        print(f"[eyas:extract] {msg}", flush=True)
+
+
+def preflight(cfg: EyasConfig, device: torch.device, world_size: int, rank: int = 0) -> Setup:
+    ec = cfg.extract
+    prepared = Prepared(cfg.stage_dir("prepare"))  # ArtifactError naming `eyas prepare` when absent
+    if len(prepared) == 0:
+        raise DataError(f"{prepared.dir} holds no samples: re-run `eyas prepare` with more data")
+    conf = load_config(cfg.target)
+    num_layers, hidden = int(conf.num_hidden_layers), int(conf.hidden_size)
+    layer_ids = check_layer_ids(ec.layer_ids or default_layer_ids(num_layers), num_layers)
+    made_with = prepared.meta.get("hashes", {}).get("tokenizer")
+    if made_with and made_with != tokenizer_hash(load_tokenizer(cfg.target, require_chat_template=False)):
+        raise ConfigError(
+            f"{prepared.dir} was prepared with another tokenizer or chat template (target "
+            f"{prepared.meta.get('target', {}).get('model')!r}) than target.model={cfg.target.model!r}: "
+            "re-run `eyas prepare` for this target, or set --target.model to the prepared one"
+        )
+    if int(prepared._ids.max()) >= int(conf.vocab_size):
+        raise DataError(f"{prepared.dir} holds token ids >= the target vocab size {conf.vocab_size}: re-run `eyas prepare`")
+    if ec.device_map and world_size > 1:
+        raise ConfigError("extract.device_map splits one target over the GPUs of one process; run it without torchrun")
+    longest = int(prepared.lengths.max())
+    if longest > ec.token_budget:
+        raise ConfigError(f"the longest sample has {longest} tokens, more than extract.token_budget={ec.token_budget}: "
+                          f"raise it to >= {longest}")
+    compute = resolve_dtype(cfg.target.dtype, "cuda" if ec.device_map and torch.cuda.is_available() else str(device))
+    stored = compute if ec.store_dtype == "auto" else getattr(torch, ec.store_dtype)
+    out = cfg.stage_dir("extract")
+    _check_writable(out)
+    fingerprint = {
+        "target": str(Path(model_path(cfg.target)).resolve()) if Path(model_path(cfg.target)).exists() else cfg.target.model,
+        "revision": cfg.target.revision,
+        "compute_dtype": str(compute).removeprefix("torch."),
+        "store_dtype": str(stored).removeprefix("torch."),
+        "layer_ids": layer_ids,
+        "hidden_size": hidden,
+        "prepare_hashes": prepared.meta.get("hashes", {}),
+        "prepare_tokens": int(prepared.offsets[-1]),
+    }
+    store.check_run(out, fingerprint)
+    n = min(len(prepared), ec.max_samples) if ec.max_samples else len(prepared)
+    entries = store.read_journals(out)
+    done = store.done_samples(entries)
+    remaining = [i for i in range(n) if i not in done]
+    setup = Setup(out, prepared, layer_ids, num_layers, hidden, compute, stored, fingerprint, list(range(n)),
+                  entries, remaining)
+    _check_disk(setup, rank, world_size, n)
+    return setup
+
+
+def _check_writable(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise EyasError(
+            f"cannot write to the output directory {out} ({e.strerror}): choose another with --extract.out_dir"
+        ) from None
+
+
+def _check_disk(s: Setup, rank: int, world_size: int, n: int) -> None:
+    tokens = int(s.prepared.lengths[s.remaining].sum()) if s.remaining else 0
+    need = tokens * (s.bytes_per_token + 5)  # + int32 ids and uint8 mask per token
+    free = shutil.disk_usage(s.out).free
+    k = len(s.layer_ids)
+    _log(rank, f"{len(s.remaining):,} of {n:,} samples to extract ({tokens:,} tokens) on {world_size} rank(s); "
+               f"layers {s.layer_ids} + final, D={s.hidden}, {str(s.store_dtype).removeprefix('torch.')}")
+    _log(rank, f"will write ~{need / 1e9:.2f} GB (= {tokens:,} tokens x ({k}+1) x {s.hidden} x "
+               f"{s.bytes_per_token // ((k + 1) * s.hidden)} bytes); {free / 1e9:.1f} GB free at {s.out}")
+    if need > free:
+        raise EyasError(
+            f"not enough disk at {s.out}: the extract needs ~{need / 1e9:.2f} GB, {free / 1e9:.2f} GB are free; "
+            "use --extract.out_dir on a larger disk, --extract.store_dtype=bfloat16, or --extract.max_samples"
+        )
+
+
+def make_backend(cfg: EyasConfig, setup: Setup, device: torch.device):
+    model = load_model(cfg.target, device=None if cfg.extract.device_map else device,
+                       device_map=cfg.extract.device_map or None,
+                       attn_implementation=cfg.extract.attn_implementation or None)
+    return HFBackend(model, setup.layer_ids, setup.store_dtype)
+
+
+def smoke_test(backend, setup: Setup, index: int, rank: int) -> None:
+    """One sample through the whole capture path before the long run."""
+    tokens = setup.prepared[index]["input_ids"]
+    n = tokens.numel()
+    try:
+        states = backend.forward(plan.Batch([index], [n], 1, n, False), [tokens])
+    except Exception as e:  # recorded with type, message, traceback, then re-raised as a user-facing error
+        record_error(setup.out / "errors.jsonl", e, stage="extract", rank=rank, sample_ids=[setup.prepared.ids[index]],
+                     phase="smoke test")
+        raise EyasError(f"smoke test: the first forward of the target failed with {type(e).__name__}: "
+                        f"{exception_message(e)} (traceback above and in {setup.out / 'errors.jsonl'})") from e
+    want = (n, len(setup.layer_ids) + 1, setup.hidden)
+    problem = (f"shape {tuple(states.shape)} != {want}" if tuple(states.shape) != want else
+               f"dtype {states.dtype} != {setup.store_dtype}" if states.dtype != setup.store_dtype else
+               "inf/NaN values" if not bool(torch.isfinite(states).all()) else "")
+    if problem:
+        raise EyasError(f"smoke test on sample {setup.prepared.ids[index]}: the captured states have {problem}; "
+                        "the target or its dtype (--target.dtype) is not usable as is")
+
+
+def forward_batch(backend, batch: plan.Batch, tokens: list[torch.Tensor], failures: Failures):
+    """-> (states_TKD, failed indices). A failing batch is recorded; with failures allowed it is
+    retried sample by sample and the samples that fail again get zero rows (left out of the index)."""
+    try:
+        return backend.forward(batch, tokens), []
+    except Exception as e:  # recorded with type, message, traceback; raised on unless failures are allowed
+        failures.record(e, batch.indices, count=failures.limit == 0, retry="per sample")
+    parts, failed = [], []
+    for i, t in zip(batch.indices, tokens):
+        n = t.numel()
+        try:
+            parts.append(backend.forward(plan.Batch([i], [n], 1, n, False), [t]))
+        except Exception as e:  # the same: recorded, counted against extract.max_failures
+            failures.record(e, [i])
+            failed.append(i)
+            parts.append(None)
+    like = next((p for p in parts if p is not None), None)
+    shape = (len(backend.layer_ids) + 1, backend.hidden_size)
+    dev = like.device if like is not None else backend.device
+    parts = [p if p is not None else torch.zeros((n, *shape), dtype=backend.dtype, device=dev)
+             for p, n in zip(parts, batch.lengths)]
+    return torch.cat(parts), failed
+
+
+def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's share of the remaining samples -> shards; -> its summary."""
+    ec, lengths = cfg.extract, setup.prepared.lengths
+    mine = plan.rank_slice(setup.remaining, lengths, rank, world_size)
+    batches = plan.make_batches(mine, lengths, ec.token_budget, ec.max_batch_size, ec.pack)
+    shards = plan.group_shards(batches, setup.bytes_per_token, ec.shard_bytes)
+    summary = {"rank": rank, "samples": len(mine), "tokens": sum(b.num_tokens for b in batches),
+               "padded_tokens": sum(b.padded_tokens for b in batches), "batches": len(batches),
+               "parity_checked": 0, "parity_max_error": 0.0, "failed": [], "seconds": 0.0, "bytes": 0}
+    if not batches:
+        return summary
+    t0 = time.perf_counter()
+    smoke_test(backend, setup, mine[-1], rank)
+    tol = ec.parity_tol or max(default_tolerance(setup.compute_dtype), default_tolerance(setup.store_dtype))
+    later = [i for b in batches[1:] for i in b.indices]
+    verify = set(batches[0].indices) | {later[round(j * (len(later) - 1) / max(ec.verify - 1, 1))]
+                                         for j in range(min(ec.verify, len(later)))}
+    numbers = [int(e["shard"].split("-")[-1].split(".")[0]) for e in setup.entries if e["rank"] == rank]
+    failures = Failures(ec.max_failures, setup.out / "errors.jsonl", rank, setup.prepared.ids)
+    copier = HostCopier(max(b.num_tokens for b in batches), len(setup.layer_ids) + 1, setup.hidden,
+                        setup.store_dtype, ec.writer_queue, check=lambda: writer.check())
+    writer = Writer(setup.out, rank, max(numbers, default=-1) + 1, shards, setup.prepared,
+                    len(setup.layer_ids) + 1, setup.hidden, setup.store_dtype, copier, failures)
+    bar = _progress(ec.progress and rank == 0, summary["tokens"])
+    writer.start()
+    done = 0
+    try:
+        for batch in batches:
+            tokens = [setup.prepared[i]["input_ids"] for i in batch.indices]
+            states_TKD, failed = forward_batch(backend, batch, tokens, failures)
+            errors = verify_batch(backend, batch, tokens, states_TKD, verify - set(failed), tol, setup.prepared.ids)
+            summary["parity_checked"] += len(errors)
+            summary["parity_max_error"] = max([summary["parity_max_error"], *errors])
+            finite_T = torch.isfinite(states_TKD).flatten(1).all(1)
+            writer.submit(batch, copier.copy(states_TKD, finite_T), failed)
+            if bar is not None:
+                bar.update(batch.num_tokens)
+                done += len(batch.indices)
+                bar.set_postfix_str(f"{done:,}/{len(mine):,} samples, {writer.bytes_written / 1e9:.2f} GB written",
+                                    refresh=False)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    summary.update(failed=sorted(failures.samples), seconds=round(time.perf_counter() - t0, 3),
+                   bytes=writer.bytes_written)
+    return summary
+
+
+def verify_batch(backend, batch: plan.Batch, tokens: list[torch.Tensor], states_TKD: torch.Tensor,
+                 verify: set[int], tol: float, ids: list[str]) -> list[float]:
+    """Parity of the batch's samples that are in `verify` (ParityError past tol); -> their errors."""
+    errors, start = [], 0
+    for i, n, t in zip(batch.indices, batch.lengths, tokens):
+        if i in verify:
+            errors.append(check_parity(backend, states_TKD[start : start + n], t, tol, ids[i]))
+        start += n
+    return errors
+
+
+def _progress(enabled: bool, total: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tok", unit_scale=True, dynamic_ncols=True, mininterval=1.0,
+                desc="extract", file=sys.stderr)
+
+
+def finalize(cfg: EyasConfig, setup: Setup, summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0, after every rank is done: index.json, then meta.json (its presence marks completion)."""
+    out = setup.out
+    entries = store.read_journals(out)
+    index = store.build_index(out, entries, setup.prepared.ids)
+    stored = set(index["index"])
+    failed = sorted({i for e in entries for i in e["failed"]} - stored)
+    missing = sorted(set(setup.indices) - stored - set(failed))
+    if missing:
+        raise EyasError(f"{len(missing)} samples are neither stored nor failed (e.g. {missing[:5]}): "
+                        "re-run the same `eyas extract` command to extract them")
+    artifacts.atomic_write_json(out / "index.json", index)
+    artifacts.atomic_write_text(out / "config.yaml", dump_config(cfg))
+    shards = {e["shard"]: {"sha256": e["sha256"], "bytes": e["bytes"], "tokens": sum(e["lengths"]),
+                           "samples": len(e["samples"]), "rank": e["rank"]} for e in entries}
+    run_tokens = sum(s["tokens"] for s in summaries)
+    seconds = max((s["seconds"] for s in summaries), default=0.0)
+    padded = sum(s["padded_tokens"] for s in summaries)
+    counts = {
+        "samples": len(stored),
+        "tokens": int(sum(index["length"])),
+        "bytes": sum(v["bytes"] for v in shards.values()),
+        "shards": len(shards),
+        "failed": [setup.prepared.ids[i] for i in failed],
+        "failed_indices": failed,
+        "this_run": {"tokens": run_tokens, "seconds": seconds, "tokens_per_s": round(run_tokens / seconds, 1) if seconds else 0.0,
+                     "padding_waste": round(1 - run_tokens / padded, 4) if padded else 0.0,
+                     "world_size": len(summaries),
+                     "parity_checked": sum(s["parity_checked"] for s in summaries),
+                     "parity_max_error": max((s["parity_max_error"] for s in summaries), default=0.0)},
+    }
+    meta = artifacts.write_meta(
+        out, "extract",
+        config={"target": to_dict(cfg.target), "extract": to_dict(cfg.extract)},
+        target=describe_target(cfg.target),
+        dtype=setup.fingerprint["store_dtype"],
+        compute_dtype=setup.fingerprint["compute_dtype"],
+        layer_ids=setup.layer_ids,
+        hidden_size=setup.hidden,
+        num_hidden_layers=setup.num_layers,
+        layout="states [T, K+1, D]: aux in layer_ids order, then the final-norm output",
+        prepare_dir=str(setup.prepared.dir.resolve()),
+        prepare_hashes=setup.prepared.meta.get("hashes", {}),
+        shards=shards,
+        counts=counts,
+    )
+    return meta
+
+
+def print_summary(out: Path, meta: dict[str, Any]) -> None:
+    c, r = meta["counts"], meta["counts"]["this_run"]
+    lines = [
+        f"[eyas:extract] wrote {out}",
+        f"  samples        {c['samples']:>12,} stored, {len(c['failed']):,} failed",
+        f"  tokens         {c['tokens']:>12,} ({r['tokens']:,} this run, padding waste {r['padding_waste']:.1%})",
+        f"  hidden states  {c['bytes'] / 1e9:>12.3f} GB in {c['shards']} shards; layers {meta['layer_ids']} + final, "
+        f"D={meta['hidden_size']}, {meta['dtype']}",
+        f"  speed          {r['tokens_per_s']:>12,.0f} tok/s over {r['seconds']:.1f} s on {r['world_size']} rank(s)",
+        f"  parity         {r['parity_checked']:>12,} samples vs a plain forward, max relative error {r['parity_max_error']:.2e}",
+    ]
+    if c["failed"]:
+        lines.append(f"  FAILED         {', '.join(c['failed'][:20])}{' ...' if len(c['failed']) > 20 else ''} (see errors.jsonl)")
+    print("\n".join(lines), flush=True)
+
+
+def prepare_resume(setup: Setup, rank: int, world_size: int) -> None:
+    """After every rank has read the journals: repair this rank's journal, delete leftovers."""
+    ranks = [rank] + (sorted({e["rank"] for e in setup.entries} - set(range(world_size))) if rank == 0 else [])
+    for r in ranks:
+        store.rewrite_journal(setup.out, r, setup.entries)
+    removed = store.clean_unlisted(setup.out, ranks, {e["shard"] for e in setup.entries})
+    if removed:
+        print(f"[eyas:extract] rank {rank}: removed {removed} incomplete shard file(s) of an interrupted run", flush=True)
+    if rank == 0:
+        artifacts.atomic_write_json(setup.out / store.PROGRESS_DIR / "run.json", setup.fingerprint)
+        if setup.remaining:
+            (setup.out / "meta.json").unlink(missing_ok=True)  # no longer complete until finalize
+
+
+def run(cfg: EyasConfig) -> dict[str, Any]:
+    ddp, rank, _local_rank, world_size, device = distributed.compute_init(cfg.extract.device)
+    try:
+        return _run(cfg, rank, world_size, device)
+    except EyasError:
+        raise
+    except Exception as e:  # recorded (type, message or repr, traceback) in errors.jsonl, then re-raised
+        out = cfg.stage_dir("extract")
+        record_error(out / "errors.jsonl" if out.is_dir() else None, e, stage="extract", rank=rank)
+        raise EyasError(f"extract failed on rank {rank} with {type(e).__name__}: {exception_message(e)} "
+                        "(traceback above and in errors.jsonl)") from e
+    finally:
+        distributed.compute_cleanup()
+
+
+def _run(cfg: EyasConfig, rank: int, world_size: int, device: torch.device) -> dict[str, Any]:
+    setup = preflight(cfg, device, world_size, rank)
+    distributed.barrier()  # every rank has read the journals before anyone writes
+    if not setup.remaining and (setup.out / "meta.json").is_file():
+        meta = artifacts.read_meta(setup.out, "extract")
+        _log(rank, f"{setup.out} is already complete ({meta['counts']['samples']:,} samples); nothing to do")
+        return meta
+    (setup.out / store.PROGRESS_DIR).mkdir(parents=True, exist_ok=True)
+    prepare_resume(setup, rank, world_size)
+    distributed.barrier()
+    backend = make_backend(cfg, setup, device) if setup.remaining else None
+    summary = extract_rank(cfg, setup, backend, rank, world_size)
+    artifacts.atomic_write_json(setup.out / store.PROGRESS_DIR / f"r{rank:03d}.summary.json", summary)
+    distributed.barrier()
+    if rank != 0:
+        return {"counts": {"failed": summary["failed"]}}
+    summaries = [json.loads((setup.out / store.PROGRESS_DIR / f"r{r:03d}.summary.json").read_text())
+                 for r in range(world_size)]
+    meta = finalize(cfg, setup, summaries)
+    print_summary(setup.out, meta)
+    return meta
+
+
+def main(cfg: EyasConfig) -> int:
+    meta = run(cfg)
+    failed = meta["counts"]["failed"]
+    if failed and not cfg.extract.allow_failures:
+        print(f"eyas extract: {len(failed)} sample(s) failed and were skipped (listed above and in errors.jsonl); "
+              "exit status 1 (pass --extract.allow_failures=true to accept them)", file=sys.stderr)
+        return 1
+    return 0

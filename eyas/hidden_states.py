@@ -1,0 +1,109 @@
+"""Reader of an extract output directory.
+
+    from eyas import HiddenStates
+    hs = HiddenStates("runs/eyas/extract")
+    len(hs); hs.lengths              # samples stored; LongTensor of their token counts
+    s = hs[0]                        # sample 0 in prepare's order
+    s["input_ids"], s["loss_mask"]   # LongTensor [S]
+    s["aux"], s["final"]             # [S, K, D] and [S, D] (bf16 from a GPU run, fp32 from a CPU run)
+    s["id"], s["index"]              # source conversation id, index in the prepare output
+    hs.meta["layer_ids"], hs.meta["hidden_size"], hs.meta["prepare_dir"]
+
+`aux[:, j]` is the hidden state entering decoder layer `layer_ids[j]` (HF `hidden_states[k]`);
+`final` is the output of the target's final norm (what its LM head sees): `lm_head(final)` gives
+the teacher logits. Every sample of the prepare output is stored unless it failed in a run that
+allowed failures (`meta["counts"]["failed"]` lists them); then `hs[i]["index"]` says which sample
+it is. A shard's sha256 is checked the first time it is read; a mismatch raises ArtifactError
+naming the shard.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from eyas.artifacts import read_meta
+from eyas.errors import ArtifactError
+
+
+def _sha256(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+class HiddenStates:
+    def __init__(self, out_dir: str | Path, verify_checksums: bool = True):
+        self.dir = Path(out_dir)
+        self.meta: dict[str, Any] = read_meta(self.dir, "extract")
+        try:
+            index = json.loads((self.dir / "index.json").read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ArtifactError(f"{self.dir}/index.json is unreadable ({e}): re-run `eyas extract`") from None
+        self.shards: list[str] = index["shards"]
+        self.ids: list[str] = index["id"]
+        self.indices: list[int] = index["index"]
+        self._shard = index["shard"]
+        self._offset = index["offset"]
+        self.lengths = torch.tensor(index["length"], dtype=torch.long)
+        self.layer_ids: list[int] = self.meta["layer_ids"]
+        self.hidden_size: int = self.meta["hidden_size"]
+        self.verify_checksums = verify_checksums
+        self._verified: set[int] = set()
+        self._open: dict[int, Any] = {}
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _handle(self, s: int):
+        if self._pid != os.getpid():  # a forked DataLoader worker opens its own handles
+            self._open, self._pid = {}, os.getpid()
+        if s not in self._open:
+            path = self.dir / self.shards[s]
+            if not path.is_file():
+                raise ArtifactError(f"shard {path} is missing: re-run the same `eyas extract` command to re-extract it")
+            if self.verify_checksums and s not in self._verified:
+                want = self.meta["shards"][self.shards[s]]["sha256"]
+                if _sha256(path) != want:
+                    raise ArtifactError(
+                        f"shard {path} is corrupt (sha256 differs from meta.json): delete it and re-run the same "
+                        "`eyas extract` command; only its samples are extracted again"
+                    )
+                self._verified.add(s)
+            self._open[s] = safe_open(str(path), framework="pt")
+        return self._open[s]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} out of range for {len(self)} samples")
+        i %= len(self)
+        f = self._handle(self._shard[i])
+        a, b = self._offset[i], self._offset[i] + int(self.lengths[i])
+        states_SKD = f.get_slice("states")[a:b]
+        k = len(self.layer_ids)
+        return {
+            "input_ids": f.get_slice("input_ids")[a:b].long(),
+            "loss_mask": f.get_slice("loss_mask")[a:b].long(),
+            "aux": states_SKD[:, :k],
+            "final": states_SKD[:, k],
+            "id": self.ids[i],
+            "index": self.indices[i],
+        }
+
+    def verify(self) -> None:
+        """Check every shard's sha256 now (the reader otherwise checks each on first use)."""
+        for s in range(len(self.shards)):
+            self._handle(s)
+
+    def __repr__(self) -> str:
+        return (f"HiddenStates({str(self.dir)!r}, samples={len(self)}, layers={self.layer_ids}, "
+                f"hidden={self.hidden_size}, shards={len(self.shards)})")

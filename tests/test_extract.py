@@ -1,0 +1,371 @@
+"""The extract stage end to end on CPU: parity per architecture, batching invariance, resume after
+SIGKILL, corrupt shards, failures that must not be silent, preflight errors, torchrun with 2 ranks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eyas import HiddenStates, extract
+from eyas.capture import capture
+from eyas.config import load_config
+from eyas.errors import ArtifactError, ConfigError, DataError, EyasError
+from eyas.extract import plan
+from eyas.extract.backend import HFBackend, relative_error
+from eyas.prepared import Prepared
+from extract_helpers import save_tiny, subprocess_env, tiny_model, write_chats
+
+REPO = Path(__file__).resolve().parents[1]
+NUM_CHATS = 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on a shared 2-core box, OpenMP spin-waits make 2 threads 10-50x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def prep(tmp_path_factory, smollm2_dir) -> Path:
+    """One prepare output (SmolLM2 tokenizer) shared by every tiny target: they all carry that tokenizer."""
+    from eyas import prepare
+
+    root = tmp_path_factory.mktemp("prep")
+    chats = write_chats(root / "chats.jsonl", NUM_CHATS, max_words=40)
+    cfg = load_config(None, [f"--run_dir={root}", f"--target.model={smollm2_dir}", f"--prepare.data={chats}",
+                             "--prepare.max_length=128"])
+    prepare.main(cfg)
+    return root / "prepare"
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory, smollm2_dir):
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            made[arch] = save_tiny(arch, tmp_path_factory.mktemp(arch), smollm2_dir)
+        return made[arch]
+
+    return get
+
+
+def overrides(out: Path, prep: Path, model: Path | str, *extra: str) -> list[str]:
+    return [f"--run_dir={out}", f"--prepare.out_dir={prep}", f"--target.model={model}",
+            "--extract.token_budget=512", "--extract.progress=false", *extra]
+
+
+def run_extract(out: Path, prep: Path, model, *extra: str) -> int:
+    return extract.main(load_config(None, overrides(out, prep, model, *extra)))
+
+
+def check_against_capture(hs: HiddenStates, model_dir: Path, samples: list[int], tol: float = 1e-5) -> None:
+    """Stored states == a fresh fp32 batch-1 capture of the same sample (relative error per token <= tol)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    for i in samples:
+        s = hs[i]
+        aux_BSKD, final_BSD = capture(model, s["input_ids"].view(1, -1), layer_ids=hs.layer_ids)
+        assert s["aux"].shape == aux_BSKD[0].shape and s["final"].shape == final_BSD[0].shape
+        assert float(relative_error(s["aux"], aux_BSKD[0]).max()) <= tol, f"sample {i}: aux"
+        assert float(relative_error(s["final"][:, None], final_BSD[0][:, None]).max()) <= tol, f"sample {i}: final"
+
+
+# ---------------------------------------------------------------- plan (pure functions)
+
+
+def test_plan_batches_respect_budget_and_cover_every_sample():
+    lengths = torch.tensor([5, 40, 17, 33, 8, 40, 2, 25, 12, 30])
+    for pack in (False, True):
+        batches = plan.make_batches(list(range(10)), lengths, token_budget=64, max_batch_size=3, pack=pack)
+        assert sorted(i for b in batches for i in b.indices) == list(range(10))
+        assert all(b.padded_tokens <= 64 and len(b.indices) <= 3 for b in batches)
+        assert batches[0].indices[0] in (1, 5)  # longest first: an OOM shows at once
+    with pytest.raises(ConfigError, match="extract.token_budget"):
+        plan.make_batches([1], lengths, token_budget=32, max_batch_size=8, pack=False)
+
+
+def test_plan_rank_slices_are_disjoint_and_balanced():
+    lengths = torch.randint(1, 100, (101,))
+    slices = [plan.rank_slice(list(range(101)), lengths, r, 4) for r in range(4)]
+    assert sorted(i for s in slices for i in s) == list(range(101))
+    tokens = [int(lengths[s].sum()) for s in slices]
+    assert max(tokens) - min(tokens) <= int(lengths.max())
+
+
+# ---------------------------------------------------------------- batching invariance
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3"])
+def test_same_sample_same_states_alone_padded_or_packed(arch):
+    model = tiny_model(arch)
+    backend = HFBackend(model, [1, 3, 6], torch.float32)
+    lengths = torch.tensor([23, 9, 17, 4])
+    tokens = [torch.randint(0, 5000, (int(n),)) for n in lengths]
+    alone = [backend.forward(plan.Batch([i], [int(n)], 1, int(n), False), [tokens[i]]) for i, n in enumerate(lengths)]
+    for pack in (False, True):
+        for order in ([0, 1, 2, 3], [3, 2, 1, 0], [1, 3]):
+            lens = [int(lengths[i]) for i in order]
+            batch = plan.Batch(order, lens, 1 if pack else len(order), sum(lens) if pack else max(lens), pack)
+            states_TKD = backend.forward(batch, [tokens[i] for i in order])
+            assert states_TKD.shape == (sum(lens), 4, 64)
+            for part, i in zip(states_TKD.split(lens), order):
+                torch.testing.assert_close(part, alone[i], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- end to end, parity per architecture
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek_v3", "gemma2"])
+def test_extract_matches_plain_forward(tmp_path, prep, tiny_dirs, arch):
+    model_dir = tiny_dirs(arch)
+    assert run_extract(tmp_path, prep, model_dir, "--extract.verify=3", "--extract.layer_ids=[0,3,5]",
+                       "--extract.shard_bytes=100000") == 0
+    hs = HiddenStates(tmp_path / "extract")
+    p = Prepared(prep)
+    assert len(hs) == len(p) and hs.meta["layer_ids"] == [0, 3, 5] and hs.meta["hidden_size"] == 64
+    assert hs.meta["prepare_dir"] == str(prep.resolve()) and hs.meta["dtype"] == "float32"
+    assert hs.meta["counts"]["this_run"]["parity_checked"] >= 3 and len(hs.shards) > 1
+    for i in (0, 5, len(p) - 1):  # prepare's order, whatever order the batches ran in
+        s = hs[i]
+        assert s["index"] == i and s["id"] == p.ids[i]
+        assert torch.equal(s["input_ids"], p[i]["input_ids"]) and torch.equal(s["loss_mask"], p[i]["loss_mask"])
+        assert s["aux"].shape == (p.length(i), 3, 64) and s["final"].shape == (p.length(i), 64)
+    assert torch.equal(hs.lengths, p.lengths)
+    check_against_capture(hs, model_dir, [0, len(p) // 2])
+
+
+def test_extract_packed(tmp_path, prep, tiny_dirs):
+    assert run_extract(tmp_path, prep, tiny_dirs("qwen3"), "--extract.pack=true", "--extract.max_samples=10") == 0
+    hs = HiddenStates(tmp_path / "extract")
+    assert len(hs) == 10
+    check_against_capture(hs, tiny_dirs("qwen3"), [1, 9])
+
+
+def test_extract_smollm2(tmp_path, prep, smollm2_dir):
+    assert run_extract(tmp_path, prep, smollm2_dir, "--extract.max_samples=3", "--extract.store_dtype=bfloat16") == 0
+    hs = HiddenStates(tmp_path / "extract")
+    assert hs.meta["layer_ids"] == [2, 15, 27] and hs.meta["hidden_size"] == 576 and hs.meta["dtype"] == "bfloat16"
+    s = hs[2]
+    assert s["aux"].dtype == torch.bfloat16 and s["aux"].shape[1:] == (3, 576)
+    check_against_capture(hs, smollm2_dir, [2], tol=0.01)  # bf16 rounding
+
+
+def test_device_map_auto_places_with_accelerate(tmp_path, prep, tiny_dirs):
+    pytest.importorskip("accelerate")
+    assert run_extract(tmp_path, prep, tiny_dirs("llama"), "--extract.device_map=auto", "--extract.max_samples=4") == 0
+    check_against_capture(HiddenStates(tmp_path / "extract"), tiny_dirs("llama"), [3])
+
+
+# ---------------------------------------------------------------- resume, corruption
+
+
+def cli(out: Path, prep: Path, model, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "eyas.cli", "extract", *overrides(out, prep, model, *extra)]
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_loses_and_duplicates_nothing(tmp_path, prep, tiny_dirs):
+    model = tiny_dirs("llama")
+    args = cli(tmp_path, prep, model, "--extract.token_budget=128", "--extract.shard_bytes=1")  # one batch per shard
+    journal = tmp_path / "extract" / "progress" / "r000.jsonl"
+    proc = subprocess.Popen(args, env=subprocess_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if journal.is_file() and len(journal.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, proc.stdout.read().decode()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = 0
+    for line in journal.read_text().splitlines():
+        try:
+            done_before += len(json.loads(line)["samples"])
+        except json.JSONDecodeError:
+            pass  # a line torn by the kill: its shard is redone
+    assert not (tmp_path / "extract" / "meta.json").exists()
+    res = subprocess.run(args, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    p = Prepared(prep)
+    assert 0 < done_before < len(p) and f"{len(p) - done_before} of {len(p)} samples to extract" in res.stdout
+    hs = HiddenStates(tmp_path / "extract")
+    assert hs.indices == list(range(len(p))) and len(set(hs.indices)) == len(p)
+    entries = [json.loads(x) for x in journal.read_text().splitlines()]
+    stored = [i for e in entries for i in e["samples"]]
+    assert sorted(stored) == list(range(len(p)))  # no sample stored twice, none lost
+    assert not list((tmp_path / "extract" / "shards").glob("*.tmp"))
+    check_against_capture(hs, model, [0, len(p) - 1])
+
+
+def test_corrupt_shard_is_named_and_reextracted(tmp_path, prep, tiny_dirs):
+    model = tiny_dirs("llama")
+    assert run_extract(tmp_path, prep, model, "--extract.shard_bytes=100000", "--extract.max_samples=12") == 0
+    hs = HiddenStates(tmp_path / "extract")
+    victim = tmp_path / "extract" / hs.shards[hs._shard[5]]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=victim.name):
+        HiddenStates(tmp_path / "extract")[5]
+    victim.unlink()  # the message says: delete it and re-run the same command
+    assert run_extract(tmp_path, prep, model, "--extract.shard_bytes=100000", "--extract.max_samples=12") == 0
+    hs = HiddenStates(tmp_path / "extract")
+    hs.verify()
+    assert hs.indices == list(range(12))
+    check_against_capture(hs, model, [5])
+
+
+# ---------------------------------------------------------------- failures are never silent
+
+
+class Poison:
+    """A forward pre-hook raising `exc` on any batch holding `tokens` (or on every call after the first `after`)."""
+
+    def __init__(self, exc: BaseException, tokens: torch.Tensor | None = None, after: int = 0):
+        self.exc, self.tokens, self.after = exc, tokens, after
+
+    def __call__(self, module, args, kwargs):
+        ids_BS = kwargs.get("input_ids", args[0] if args else None)
+        if self.tokens is None:
+            self.after -= 1
+            if self.after < 0:
+                raise self.exc
+            return
+        n = self.tokens.numel()
+        rows = ids_BS.view(-1)[None] if ids_BS.shape[0] == 1 else ids_BS
+        for row in rows:
+            for start in range(0, row.numel() - n + 1):
+                if torch.equal(row[start : start + n], self.tokens):
+                    raise self.exc
+
+
+def poison_backend(monkeypatch, poison: Poison):
+    real = extract.make_backend
+
+    def make(cfg, setup, device):
+        backend = real(cfg, setup, device)
+        backend.base.register_forward_pre_hook(poison, with_kwargs=True)
+        return backend
+
+    monkeypatch.setattr(extract, "make_backend", make)
+
+
+@pytest.mark.parametrize("where", ["smoke test", "batch"])
+def test_empty_message_exception_surfaces_type_and_traceback(tmp_path, prep, tiny_dirs, monkeypatch, capsys, where):
+    from eyas import cli
+
+    poison_backend(monkeypatch, Poison(RuntimeError(), after=0 if where == "smoke test" else 1))
+    rc = cli.main(["extract", *overrides(tmp_path, prep, tiny_dirs("llama"), "--extract.max_samples=4")])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert "RuntimeError()" in err and "Traceback (most recent call last)" in err
+    rec = json.loads((tmp_path / "extract" / "errors.jsonl").read_text().splitlines()[0])
+    assert rec["type"] == "builtins.RuntimeError" and rec["message"] == "RuntimeError()"
+    assert rec["stage"] == "extract" and rec["rank"] == 0 and rec["sample_ids"] and "Traceback" in rec["traceback"]
+    assert not (tmp_path / "extract" / "meta.json").exists()
+
+
+def test_max_failures_skips_bad_sample_lists_it_and_exits_nonzero(tmp_path, prep, tiny_dirs, monkeypatch, capsys):
+    p = Prepared(prep)
+    bad = 7
+    poison_backend(monkeypatch, Poison(ValueError("poisoned sample"), p[bad]["input_ids"]))
+    model = tiny_dirs("llama")
+    assert run_extract(tmp_path, prep, model, "--extract.max_failures=2") == 1
+    out = capsys.readouterr()
+    assert p.ids[bad] in out.out and "poisoned sample" in out.err
+    hs = HiddenStates(tmp_path / "extract")
+    assert len(hs) == len(p) - 1 and bad not in hs.indices
+    assert hs.meta["counts"]["failed"] == [p.ids[bad]]
+    monkeypatch.undo()  # the cause is fixed: the same command extracts just the failed sample
+    assert run_extract(tmp_path, prep, model, "--extract.max_failures=2") == 0
+    hs = HiddenStates(tmp_path / "extract")
+    assert hs.indices == list(range(len(p)))
+    check_against_capture(hs, model, [bad])
+
+
+def test_allow_failures_exits_zero(tmp_path, prep, tiny_dirs, monkeypatch):
+    p = Prepared(prep)
+    poison_backend(monkeypatch, Poison(ValueError("x"), p[3]["input_ids"]))
+    args = ("--extract.max_failures=1", "--extract.allow_failures=true", "--extract.max_samples=6")
+    assert run_extract(tmp_path, prep, tiny_dirs("llama"), *args) == 0
+
+
+# ---------------------------------------------------------------- preflight, before any weight is loaded
+
+
+@pytest.fixture(scope="session")
+def no_weights(tiny_dirs, tmp_path_factory) -> Path:
+    """A target directory with config and tokenizer but no weights: preflight must fail before loading."""
+    out = tmp_path_factory.mktemp("noweights")
+    for f in tiny_dirs("llama").iterdir():
+        if not f.name.endswith(".safetensors"):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_preflight_failures(tmp_path, prep, no_weights, smollm2_dir, monkeypatch):
+    def fails(exc, match, *extra, prep_dir=prep, model=no_weights):
+        with pytest.raises(exc, match=match):
+            run_extract(tmp_path, prep_dir, model, *extra)
+
+    fails(ConfigError, r"extract.layer_ids=\[2, 99\].*\[0, 7\]", "--extract.layer_ids=[2,99]")
+    fails(ArtifactError, "eyas prepare", prep_dir=tmp_path / "nothing")
+    fails(ConfigError, "extract.token_budget", "--extract.token_budget=16")
+    (tmp_path / "file").write_text("")
+    fails(EyasError, "extract.out_dir", f"--extract.out_dir={tmp_path / 'file' / 'sub'}")
+    monkeypatch.setattr(extract.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 1000))
+    fails(EyasError, "not enough disk")
+    monkeypatch.undo()
+    # a prepare output made with another chat template
+    other = tmp_path / "other"
+    shutil.copytree(no_weights, other)
+    cfgj = json.loads((other / "tokenizer_config.json").read_text())
+    cfgj["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (other / "tokenizer_config.json").write_text(json.dumps(cfgj))
+    (other / "chat_template.jinja").unlink(missing_ok=True)
+    fails(ConfigError, "re-run `eyas prepare`", model=other)
+    # an empty prepare output
+    empty = tmp_path / "empty"
+    shutil.copytree(prep, empty)
+    from safetensors.torch import save_file
+
+    save_file({"input_ids": torch.zeros(0, dtype=torch.int32), "loss_mask": torch.zeros(0, dtype=torch.uint8),
+               "offsets": torch.zeros(1, dtype=torch.int64)}, str(empty / "tokens.safetensors"))
+    (empty / "sample_ids.json").write_text("[]")
+    fails(DataError, "no samples", prep_dir=empty)
+
+
+def test_changed_settings_refuse_to_mix(tmp_path, prep, tiny_dirs):
+    model = tiny_dirs("llama")
+    assert run_extract(tmp_path, prep, model, "--extract.max_samples=2") == 0
+    with pytest.raises(ConfigError, match="layer_ids"):
+        run_extract(tmp_path, prep, model, "--extract.max_samples=4", "--extract.layer_ids=[1,2]")
+
+
+# ---------------------------------------------------------------- torchrun, 2 ranks over gloo
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_one_index(tmp_path, prep, tiny_dirs):
+    model = tiny_dirs("llama")
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            "-m", "eyas", "extract", *overrides(tmp_path, prep, model, "--extract.verify=1")]
+    res = subprocess.run(args, env=subprocess_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    hs = HiddenStates(tmp_path / "extract")
+    assert hs.indices == list(range(len(Prepared(prep)))) and hs.meta["counts"]["this_run"]["world_size"] == 2
+    assert {s.split("/")[-1][:4] for s in hs.shards} == {"r000", "r001"}
+    check_against_capture(hs, model, [0, 1, len(hs) - 1])
