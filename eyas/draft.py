@@ -17,7 +17,7 @@ layers, H heads, Hkv kv heads, d head dim, W draft vocab, V target vocab.
 The residual around attention is the **un-normed** h (the reference); with
 `norm_before_residual=True` it is hidden_norm(h) (the variant some vLLM/speculators checkpoints
 use). `forward_step` returns the pre-norm output (fed back as h at the next draft step) and the
-keys/values of this step, so callers own their caches: training-time test (eyas.ttt) concatenates
+keys/values of this step, so callers own their caches: training-time test (eyas.train.ttt) concatenates
 step blocks with a diagonal mask; speculative decoding (eyas.spec) keeps an ordinary KV cache.
 
 This module knows nothing of distribution (DDP/FSDP wrap it from outside).
@@ -138,8 +138,38 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x_BHSd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos_BSd.unsqueeze(1), sin_BSd.unsqueeze(1)
+    # cos/sin in q/k's dtype (as transformers does): fp32 tables would silently upcast bf16 q/k
+    # under autocast and push attention off the fused bf16 kernels.
+    cos, sin = cos_BSd.unsqueeze(1).to(x_BHSd.dtype), sin_BSd.unsqueeze(1).to(x_BHSd.dtype)
     return x_BHSd * cos + rotate_half(x_BHSd) * sin
+
+
+_flex_call = None
+
+
+def init_flex_attention() -> None:
+    """Compile flex_attention once per process (eager flex is a slow reference path), with
+    automatic dynamic shapes so new sequence / key lengths stop recompiling after the first
+    change. The caller is dynamo-disabled, so a compiled forward_step breaks its graph at the
+    attention and runs this one compiled kernel. Call it before compiling a caller (lazy here
+    because importing dynamo costs seconds that most eyas commands do not need)."""
+    global _flex_call
+    if _flex_call is None:
+        from torch.nn.attention.flex_attention import flex_attention as _flex
+
+        compiled = torch.compile(_flex)
+
+        def call(q, k, v, block_mask, enable_gqa):
+            return compiled(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+        _flex_call = torch.compiler.disable(call)
+
+
+def flex_attention(q_BHSd, k_BHPd, v_BHPd, block_mask, enable_gqa: bool) -> torch.Tensor:
+    if _flex_call is None:
+        assert not torch.compiler.is_compiling(), "call eyas.draft.init_flex_attention() before torch.compile"
+        init_flex_attention()
+    return _flex_call(q_BHSd, k_BHPd, v_BHPd, block_mask, enable_gqa)
 
 
 class Attention(nn.Module):
@@ -159,15 +189,19 @@ class Attention(nn.Module):
         v = self.v_proj(x_BS2D).view(b, s, self.hkv, self.d).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend(self, q_BHSd, k_BHPd, v_BHPd, mask_BSP: torch.Tensor | None) -> torch.Tensor:
-        """SDPA over all given keys; mask (bool, True = may attend) broadcastable to [B, 1, S, P]."""
-        if mask_BSP is not None and mask_BSP.dim() == 3:
-            mask_BSP = mask_BSP.unsqueeze(1)
-        if self.hkv != self.h:
-            rep = self.h // self.hkv
-            k_BHPd = k_BHPd.repeat_interleave(rep, dim=1)
-            v_BHPd = v_BHPd.repeat_interleave(rep, dim=1)
-        o = F.scaled_dot_product_attention(q_BHSd, k_BHPd, v_BHPd, attn_mask=mask_BSP)
+    def attend(self, q_BHSd, k_BHPd, v_BHPd, mask_BSP) -> torch.Tensor:
+        """Attention over all given keys. mask: bool (True = may attend) broadcastable to
+        [B, 1, S, P] for SDPA, or a FlexAttention BlockMask (then flex_attention runs)."""
+        if type(mask_BSP).__name__ == "BlockMask":
+            o = flex_attention(q_BHSd, k_BHPd, v_BHPd, mask_BSP, enable_gqa=self.hkv != self.h)
+        else:
+            if mask_BSP is not None and mask_BSP.dim() == 3:
+                mask_BSP = mask_BSP.unsqueeze(1)
+            if self.hkv != self.h:
+                rep = self.h // self.hkv
+                k_BHPd = k_BHPd.repeat_interleave(rep, dim=1)
+                v_BHPd = v_BHPd.repeat_interleave(rep, dim=1)
+            o = F.scaled_dot_product_attention(q_BHSd, k_BHPd, v_BHPd, attn_mask=mask_BSP)
         b, _, s, _ = o.shape
         return self.o_proj(o.transpose(1, 2).reshape(b, s, self.h * self.d))
 
@@ -240,7 +274,8 @@ class Eagle3Draft(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One draft step. Keys attended = cat(past_k, this step's k) along the sequence axis.
 
-        mask_BSP: bool [B or 1, S, P+S] (True = attend); None with no past means causal.
+        mask_BSP: bool [B or 1, S, P+S] (True = attend) or a FlexAttention BlockMask over the
+        P+S keys; None with no past means causal.
         Returns (prenorm_BSD: the output fed back as h; k_BHSd, v_BHSd of this step, after RoPE).
         """
         layer = self.midlayer

@@ -7,3 +7,5 @@ from dataclasses import dataclass
 class PlotConfig:
     run_dir: str = ""
     """Training directory whose metrics.jsonl is plotted (empty = RUN_DIR/train)."""
+    out_dir: str = ""
+    """Where the PNGs go (empty = RUN_DIR_OF_TRAINING/plots)."""

@@ -1,9 +1,140 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from eyas.config.base import require
+
+MODES = ("offline", "online")
+PRECISIONS = ("auto", "bf16", "fp32")
+PARALLELS = ("auto", "ddp", "fsdp")
+ATTENTIONS = ("auto", "sdpa", "flex")
 
 
 @dataclass
 class TrainConfig:
+    mode: str = "offline"
+    """offline: read the target's hidden states from the extract stage's shards; online: run the
+    target in the same job on each batch (no disk; needs the prepare stage only)."""
+    ttt_steps: int = 7
+    """Training-time-test steps: how many tokens ahead the draft is unrolled on its own outputs."""
+    step_weight: float = 0.8
+    """Loss weight of TTT step i is step_weight**i (the EAGLE-3 reference uses 0.8)."""
+    lr: float = 1e-4
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.0
+    """The cosine schedule decays to lr * min_lr_ratio at the last step."""
+    warmup_ratio: float = 0.02
+    """Fraction of the optimizer steps spent in linear warmup (ignored when warmup_steps > 0)."""
+    warmup_steps: int = 0
+    """Linear warmup length in optimizer steps; 0 = use warmup_ratio."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW (beta1, beta2)."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 0.5
+    """Clip the global gradient norm to this value (0 = no clipping; the norm is still logged)."""
+    epochs: int = 1
+    """Passes over the training split."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps (0 = epochs x batches per epoch)."""
+    max_tokens: int = 8192
+    """Token budget of one micro-batch on one rank: samples (shuffled per epoch) are packed into one
+    row until the next one would exceed it; a sample longer than the budget is truncated to it."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank (gradient accumulation). The teacher
+    distributions of a whole window are held at once (rows x W fp32 per micro-batch), so prefer a
+    larger max_tokens to a large grad_accum."""
+    pad_multiple: int = 0
+    """Pad each packed micro-batch to a multiple of this many tokens (0 = 128 with flex attention,
+    else no padding). Padding never enters the loss."""
+    precision: str = "auto"
+    """auto (bf16 autocast on GPU, fp32 on CPU), bf16 (autocast; master weights and optimizer stay
+    fp32) or fp32."""
+    parallel: str = "auto"
+    """How the draft is replicated across ranks under torchrun: ddp, fsdp (FSDP2 fully_shard, for
+    large drafts) or auto (ddp). World size 1 runs the plain module."""
+    compile: bool = False
+    """torch.compile the draft's decoder step (GPU)."""
+    attention: str = "auto"
+    """TTT attention kernel: sdpa (explicit boolean mask), flex (FlexAttention block mask, CUDA) or
+    auto (flex on CUDA, sdpa on CPU)."""
+    teacher_chunk: int = 1024
+    """Tokens per chunk when applying the target's lm_head to the final hidden states, so the
+    V-wide logits never exist for the whole batch."""
+    num_attention_heads: int = 0
+    """Draft attention heads (0 = the target's)."""
+    num_key_value_heads: int = 0
+    """Draft key/value heads (0 = the target's)."""
+    head_dim: int = 0
+    """Draft head dimension (0 = the target's)."""
+    intermediate_size: int = 0
+    """Draft MLP width (0 = the target's)."""
+    rope_theta: float = 0.0
+    """Draft RoPE base (0 = the target's; scaling always follows the target's config)."""
+    norm_before_residual: bool = False
+    """Use hidden_norm(h) instead of h as the attention residual (the variant some vLLM /
+    speculators checkpoints use); recorded in draft_config.json."""
+    layer_ids: list[int] = field(default_factory=list)
+    """Online mode: target layers whose outputs are the aux states (empty = eyas.capture's default).
+    Offline mode reads them from the extract output."""
+    target_device: str = ""
+    """Online mode: where the target runs: a device (cuda:1 keeps it off the draft's GPU), or
+    auto / balanced / sequential to spread it over the visible GPUs with accelerate's device_map
+    (empty = the draft's device)."""
+    eval_fraction: float = 0.02
+    """Fraction of samples held out for evaluation (at least one sample when > 0)."""
+    eval_every: int = 0
+    """Evaluate the held-out split every this many optimizer steps (0 = only at the end)."""
+    eval_max_batches: int = 0
+    """Cap on held-out micro-batches per evaluation (0 = all)."""
+    log_every: int = 10
+    """Log loss, accuracy per TTT step, acceptance length, lr, grad norm, tokens/s every N steps."""
+    save_every: int = 500
+    """Write a checkpoint every N optimizer steps (0 = only the final one)."""
+    keep_checkpoints: int = 2
+    """Keep this many most recent checkpoints (0 = keep all)."""
+    resume: str = ""
+    """auto: continue from the latest checkpoint in OUT_DIR/checkpoints if there is one; a
+    checkpoint directory: continue from it; empty: start fresh (an existing run is an error)."""
+    num_workers: int = -1
+    """Data loader worker processes (-1 = 2 on GPU, 0 on CPU)."""
+    tensorboard: bool = False
+    """Also write TensorBoard events to OUT_DIR/tb (needs the tensorboard package)."""
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/train."""
+
+    def __post_init__(self) -> None:
+        require(self.mode in MODES, f"train.mode={self.mode!r}: choose one of {', '.join(MODES)}")
+        require(self.ttt_steps >= 1, f"train.ttt_steps={self.ttt_steps} must be >= 1")
+        require(self.step_weight > 0, f"train.step_weight={self.step_weight} must be > 0")
+        require(self.lr > 0, f"train.lr={self.lr} must be > 0")
+        require(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
+        require(0.0 <= self.warmup_ratio < 1.0, f"train.warmup_ratio={self.warmup_ratio} must lie in [0, 1)")
+        require(self.warmup_steps >= 0, f"train.warmup_steps={self.warmup_steps} must be >= 0")
+        require(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            f"train.betas={self.betas} must be two numbers in [0, 1), e.g. --train.betas=[0.9,0.95]",
+        )
+        require(self.weight_decay >= 0, f"train.weight_decay={self.weight_decay} must be >= 0")
+        require(self.grad_clip >= 0, f"train.grad_clip={self.grad_clip} must be >= 0 (0 = off)")
+        require(self.epochs >= 1, f"train.epochs={self.epochs} must be >= 1")
+        require(self.max_steps >= 0, f"train.max_steps={self.max_steps} must be >= 0")
+        require(self.max_tokens >= 8, f"train.max_tokens={self.max_tokens} is too small (>= 8)")
+        require(self.grad_accum >= 1, f"train.grad_accum={self.grad_accum} must be >= 1")
+        require(self.pad_multiple >= 0, f"train.pad_multiple={self.pad_multiple} must be >= 0")
+        require(self.precision in PRECISIONS, f"train.precision={self.precision!r}: choose one of {', '.join(PRECISIONS)}")
+        require(self.parallel in PARALLELS, f"train.parallel={self.parallel!r}: choose one of {', '.join(PARALLELS)}")
+        require(self.attention in ATTENTIONS, f"train.attention={self.attention!r}: choose one of {', '.join(ATTENTIONS)}")
+        require(self.teacher_chunk >= 1, f"train.teacher_chunk={self.teacher_chunk} must be >= 1")
+        for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
+            require(getattr(self, name) >= 0, f"train.{name}={getattr(self, name)} must be >= 0 (0 = the target's)")
+        require(self.rope_theta >= 0, f"train.rope_theta={self.rope_theta} must be >= 0 (0 = the target's)")
+        require(0.0 <= self.eval_fraction < 1.0, f"train.eval_fraction={self.eval_fraction} must lie in [0, 1)")
+        for name in ("eval_every", "eval_max_batches", "save_every", "keep_checkpoints"):
+            require(getattr(self, name) >= 0, f"train.{name}={getattr(self, name)} must be >= 0")
+        require(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
+        require(self.num_workers >= -1, f"train.num_workers={self.num_workers} must be >= 0 (or -1 = auto)")
+        require(
+            len(set(self.layer_ids)) == len(self.layer_ids),
+            f"train.layer_ids={self.layer_ids} repeats a layer",
+        )

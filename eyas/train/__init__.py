@@ -1,0 +1,105 @@
+"""train: the EAGLE-3 draft and its training-time-test trainer, offline or online, 1..N GPUs.
+
+    eyas train recipe.yaml                                   # one process (world size 1)
+    torchrun --nproc-per-node 8 -m eyas.cli train recipe.yaml --train.parallel=fsdp
+    eyas train recipe.yaml --resume auto                     # continue from the latest checkpoint
+
+Offline (default) reads the extract stage's shards (RUN_DIR/extract) and the draft vocabulary of
+the prepare stage; `--train.mode=online` runs the target in the same job on every batch
+(`--train.target_device=cuda:1` keeps it on its own GPU) and needs only the prepare stage.
+
+Output (RUN_DIR/train):
+    metrics.jsonl               one record per log / eval: loss and accuracy per TTT step, tau,
+                                lr, grad norm, tokens/s  (`eyas plot RUN_DIR/train` draws them)
+    checkpoints/step_XXXXXXX/   atomic; draft + optimizer, scheduler, data position, RNG states
+    final/                      draft.safetensors + draft_config.json (eyas.draft.load_draft)
+    meta.json, config.yaml      written last: the run is complete
+
+Modules: ttt (TTT unroll + naive reference), loss (teacher, loss, metrics), data (batches),
+loop (train step, evaluation, logging), checkpoint, parallel (DDP / FSDP2), build (wiring),
+target_weights (embedding + LM head without loading the target).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from eyas.config import EyasConfig
+
+
+def main(cfg: EyasConfig) -> dict[str, Any]:
+    return run(cfg)
+
+
+def run(cfg: EyasConfig, data=None) -> dict[str, Any]:
+    """Train per `cfg`. `data` (a build.TrainData) replaces reading prepare/extract from disk."""
+    from eyas.distributed import compute_cleanup, compute_init
+
+    _, rank, _, world_size, device = compute_init()
+    try:
+        return _run(cfg, data, rank, world_size, device)
+    finally:
+        compute_cleanup()
+
+
+def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str, Any]:
+    import torch
+
+    from eyas.artifacts import atomic_write_text, write_meta
+    from eyas.config import dump_config, to_dict
+    from eyas.distributed import barrier
+    from eyas.errors import ConfigError
+    from eyas.target import describe_target
+    from eyas.train import build, checkpoint
+    from eyas.train.data import batch_loader, epoch_batches
+    from eyas.train.loop import Schedule, fit, record_failure
+
+    tc = cfg.train
+    t_start = time.perf_counter()
+    out, ckpt_root = build.stage_dirs(cfg)
+    resume = checkpoint.resolve_resume(tc.resume, ckpt_root)
+    if not tc.resume and ((out / "meta.json").exists() or checkpoint.checkpoints(ckpt_root)):
+        raise ConfigError(f"{out} already holds a training run: pass --resume auto to continue it, or a new --train.out_dir")
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out / "config.yaml", dump_config(cfg))
+    barrier()
+    try:
+        if data is None:
+            data = build.load_data(cfg, device)
+        train_idx, eval_idx = build.splits(cfg, data)
+        sched = Schedule(tc, train_idx, data.lengths, cfg.seed, rank, world_size)
+        tr, dcfg = build.build_trainer(cfg, data, device, rank, world_size, sched.total)
+        pad = tc.pad_multiple or (128 if tr.attention == "flex" else 0)
+        workers = tc.num_workers if tc.num_workers >= 0 else (2 if device.type == "cuda" else 0)
+        eval_plans = epoch_batches(eval_idx, data.lengths, tc.max_tokens, cfg.seed, 0, rank, world_size, shuffle=False)
+        eval_fn = (lambda: batch_loader(data.source, eval_plans, tc.ttt_steps, tc.max_tokens, pad, workers,
+                                        device.type == "cuda")) if eval_plans else None
+        if rank == 0:
+            print(f"[eyas:train] {tc.mode}: {len(train_idx)} train / {len(eval_idx)} eval samples, {sched.total} steps, "
+                  f"draft {tr.draft.num_trainable_parameters():,} parameters, {tr.attention} attention, "
+                  f"world size {world_size}" + (f", resuming from {resume}" if resume else ""), flush=True)
+        metrics = fit(tr, sched, data.source, eval_fn, out, dcfg, resume, pad, workers)
+        final = out / "final"
+        state = checkpoint.model_state(tr.model)
+        if rank != 0:
+            return metrics
+        checkpoint.write_draft(state, dcfg, final)
+        meta = dict(
+            config=to_dict(cfg), target=describe_target(cfg.target), inputs=data.inputs, draft=dcfg.to_dict(),
+            counts={"train_samples": len(train_idx), "eval_samples": len(eval_idx), "steps": sched.total,
+                    "world_size": world_size, "trainable_parameters": tr.draft.num_trainable_parameters()},
+            metrics={
+                "acc_T": metrics["train"].get("acc_T"), "tau": metrics["train"].get("tau"),
+                "loss_T": metrics["train"].get("loss_T"), "tokens_per_s": metrics["train"].get("tokens_per_s"),
+                "eval": metrics["eval"] or None,
+            },
+            time_s=round(time.perf_counter() - t_start, 2),
+            device=str(device), torch_cuda=torch.version.cuda,
+        )
+        write_meta(final, "train", **meta)
+        return write_meta(out, "train", **meta)
+    except Exception as e:  # recorded (type, message, traceback) in errors.jsonl, then re-raised
+        record_failure(out, e, rank)
+        raise

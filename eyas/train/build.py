@@ -1,0 +1,169 @@
+"""Everything the loop needs, built from the config: data, target tensors, draft, optimizer.
+
+Legend: V target vocab, W draft vocab, D hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas import vocab
+from eyas.artifacts import hash_json
+from eyas.config import EyasConfig
+from eyas.draft import DraftConfig, Eagle3Draft, init_flex_attention
+from eyas.errors import ArtifactError, ConfigError
+from eyas.train.data import OnlineStates, split_indices
+from eyas.train.loop import Teacher, Trainer, lr_lambda
+from eyas.train.parallel import parallelize
+from eyas.train.ttt import TTTDraft
+
+DEVICE_MAPS = ("auto", "balanced", "sequential")
+
+
+@dataclass
+class TrainData:
+    """The samples and the target-side tensors, offline or online."""
+
+    source: Any  # HiddenStates, Prepared (online) or any indexable with .lengths
+    d2t: torch.Tensor
+    t2d: torch.Tensor
+    layer_ids: list[int]
+    embed_VD: torch.Tensor
+    lm_head_VD: torch.Tensor
+    target_config: Any  # the target's HF (text) config
+    states: OnlineStates | None = None
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.as_tensor(self.source.lengths, dtype=torch.long)
+
+
+def load_data(cfg: EyasConfig, device: torch.device) -> TrainData:
+    from eyas.prepared import Prepared
+    from eyas.target import load_config, resolve_dtype
+
+    tc = cfg.train
+    prep = Prepared(cfg.stage_dir("prepare"))
+    tcfg = load_config(cfg.target)
+    if prep.t2d.numel() != tcfg.vocab_size:
+        raise ArtifactError(
+            f"{prep.dir} was prepared for a vocabulary of {prep.t2d.numel()} tokens, target.model={cfg.target.model!r} "
+            f"has {tcfg.vocab_size}: re-run `eyas prepare` for this target"
+        )
+    inputs: dict[str, Any] = {"prepare": {"dir": str(prep.dir), "meta_sha256": hash_json(prep.meta)}}
+    dtype = resolve_dtype(cfg.target.dtype, str(device))
+    if tc.mode == "offline":
+        from eyas.hidden_states import HiddenStates
+        from eyas.train.target_weights import load_embed_and_head
+
+        hs = HiddenStates(cfg.stage_dir("extract"))
+        if hs.hidden_size != tcfg.hidden_size:
+            raise ArtifactError(
+                f"{hs.dir} holds hidden states of width {hs.hidden_size}, target.model={cfg.target.model!r} has "
+                f"hidden size {tcfg.hidden_size}: re-run `eyas extract` for this target"
+            )
+        inputs["extract"] = {"dir": str(hs.dir), "meta_sha256": hash_json(hs.meta)}
+        embed, head = load_embed_and_head(cfg.target)
+        return TrainData(hs, prep.d2t, prep.t2d, list(hs.layer_ids), embed.to(dtype), head.to(dtype), tcfg, None, inputs)
+    from eyas.capture import check_layer_ids, default_layer_ids, num_layers
+    from eyas.target import load_model
+
+    if tc.target_device in DEVICE_MAPS:  # the target spread over this process's visible GPUs
+        model = load_model(cfg.target, device_map=tc.target_device)
+    else:
+        model = load_model(cfg.target, device=torch.device(tc.target_device) if tc.target_device else device)
+    target_device = model.get_input_embeddings().weight.device
+    n = num_layers(model)
+    layer_ids = check_layer_ids(list(tc.layer_ids) or default_layer_ids(n), n)
+    embed = model.get_input_embeddings().weight.detach()
+    out = model.get_output_embeddings()
+    head = out.weight.detach() if out is not None else embed
+    return TrainData(prep, prep.d2t, prep.t2d, layer_ids, embed, head, tcfg,
+                     OnlineStates(model, layer_ids, target_device), inputs)
+
+
+def draft_config(cfg: EyasConfig, data: TrainData) -> DraftConfig:
+    tc = cfg.train
+    overrides = dict(
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=tc.head_dim,
+        intermediate_size=tc.intermediate_size,
+        rope_theta=tc.rope_theta,
+        norm_before_residual=tc.norm_before_residual,
+    )
+    dcfg = DraftConfig.from_target(data.target_config, int(data.d2t.numel()), data.layer_ids, **overrides)
+    if dcfg.num_attention_heads % dcfg.num_key_value_heads:
+        raise ConfigError(
+            f"draft heads {dcfg.num_attention_heads} are not a multiple of its kv heads {dcfg.num_key_value_heads}: "
+            "change --train.num_attention_heads or --train.num_key_value_heads"
+        )
+    if tuple(data.embed_VD.shape) != (dcfg.vocab_size, dcfg.hidden_size):
+        raise ArtifactError(
+            f"the target's input embedding is {tuple(data.embed_VD.shape)}, its config says vocab {dcfg.vocab_size} x "
+            f"hidden {dcfg.hidden_size}; eyas needs them to agree (the draft reads that embedding)"
+        )
+    return dcfg
+
+
+def resolve_attention(kind: str, device: torch.device) -> str:
+    if kind == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if kind == "flex" and device.type != "cuda":
+        raise ConfigError("--train.attention=flex needs a CUDA device; use sdpa (or auto) on CPU")
+    return kind
+
+
+def build_trainer(
+    cfg: EyasConfig, data: TrainData, device: torch.device, rank: int = 0, world_size: int = 1, total_steps: int = 1
+) -> tuple[Trainer, DraftConfig]:
+    tc = cfg.train
+    dcfg = draft_config(cfg, data)
+    torch.manual_seed(cfg.seed)  # identical initialisation on every rank
+    draft = Eagle3Draft(dcfg, data.embed_VD)
+    draft.set_vocab(data.d2t, data.t2d)
+    draft.to(device)
+    bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
+    attention = resolve_attention(tc.attention, device)
+    if tc.compile or attention == "flex":  # 7 TTT steps x a few shapes each: more than dynamo's default 8
+        import torch._dynamo as dynamo
+
+        dynamo.config.recompile_limit = max(64, dynamo.config.recompile_limit)
+    if attention == "flex":
+        init_flex_attention()
+    if tc.compile:
+        draft.forward_step = torch.compile(draft.forward_step)
+    model = parallelize(TTTDraft(draft), "fsdp" if tc.parallel == "fsdp" else "ddp", world_size, device, bf16)
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=tc.lr, betas=tuple(tc.betas),
+        weight_decay=tc.weight_decay, fused=device.type == "cuda",
+    )
+    warmup = tc.warmup_steps or int(round(tc.warmup_ratio * total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, warmup, tc.min_lr_ratio))
+    d2t, t2d = data.d2t.to(device), data.t2d.to(device)
+    teacher = Teacher(
+        lm_head_VD=data.lm_head_VD.to(device),
+        draft_ids_W=torch.arange(d2t.numel(), device=device) + d2t,
+        target_to_draft_V=vocab.target_to_draft(torch.arange(t2d.numel(), device=device), t2d),
+        chunk=tc.teacher_chunk,
+    )
+    tr = Trainer(
+        tc=tc, model=model, draft=draft, optimizer=optimizer, scheduler=scheduler, teacher=teacher, device=device,
+        autocast_dtype=torch.bfloat16 if bf16 else None, attention=attention,
+        world_size=world_size, rank=rank, states=data.states,
+    )
+    return tr, dcfg
+
+
+def splits(cfg: EyasConfig, data: TrainData) -> tuple[list[int], list[int]]:
+    return split_indices(len(data.source), cfg.train.eval_fraction, cfg.seed)
+
+
+def stage_dirs(cfg: EyasConfig) -> tuple[Path, Path]:
+    out = cfg.stage_dir("train")
+    return out, out / "checkpoints"

@@ -1,0 +1,151 @@
+"""Atomic training checkpoints: OUT_DIR/checkpoints/step_XXXXXXX/.
+
+    draft.safetensors, draft_config.json   the draft (eyas.draft format: load_draft reads it)
+    trainer.pt                             optimizer, scheduler, step, epoch, data position,
+                                           RNG states (python, numpy, torch, cuda), world size
+
+A checkpoint is written into a temporary sibling directory which is renamed into place when it
+is complete, so `latest()` never sees a partial one (a kill -9 mid-write leaves only a
+`.tmp-*` directory, removed on the next save). Full (unsharded) state dicts are gathered on
+every rank through torch.distributed.checkpoint.state_dict, so the same code serves a plain
+module, DDP and FSDP2; rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from eyas.draft import DraftConfig, Eagle3Draft, save_draft
+from eyas.errors import ArtifactError, ConfigError
+
+STEP_RE = re.compile(r"^step_(\d{7,})$")
+TRAINER_STATE = "trainer.pt"
+
+
+def _options(cpu: bool = True):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu)
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The full draft state dict on CPU, with eyas.draft names. Collective."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    msd = get_model_state_dict(model, options=_options())
+    return {k.removeprefix("draft."): v for k, v in msd.items()}
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(draft state dict, full optimizer state dict). Collective."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return model_state(model), get_optimizer_state_dict(model, optimizer, options=_options())
+
+
+def write_draft(state: dict[str, torch.Tensor], cfg: DraftConfig, out_dir: Path) -> None:
+    """eyas.draft.save_draft on a module built on the meta device around the gathered tensors."""
+    with torch.device("meta"):
+        m = Eagle3Draft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
+    m.load_state_dict(state, strict=True, assign=True)
+    save_draft(m, out_dir)
+
+
+def rng_state() -> dict[str, Any]:
+    st = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def set_rng_state(st: dict[str, Any]) -> None:
+    random.setstate(st["python"])
+    np.random.set_state(st["numpy"])
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def save(
+    ckpt_root: Path, step: int, model: nn.Module, optimizer, scheduler, draft_cfg: DraftConfig,
+    trainer: dict[str, Any], rank: int, keep: int,
+) -> Path | None:
+    """Write checkpoint `step` (collective: every rank calls it); -> its directory on rank 0."""
+    msd, osd = full_state(model, optimizer)
+    if rank != 0:
+        return None
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    for stale in ckpt_root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    final = ckpt_root / f"step_{step:07d}"
+    tmp = ckpt_root / f".tmp-step_{step:07d}-{os.getpid()}"
+    tmp.mkdir()
+    write_draft(msd, draft_cfg, tmp)
+    state = dict(trainer, step=step, optimizer=osd, scheduler=scheduler.state_dict(), rng=rng_state())
+    with open(tmp / TRAINER_STATE, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():  # a re-run of the same step after resume
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(ckpt_root)
+    if keep:
+        for old in checkpoints(ckpt_root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoints(ckpt_root: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    found = [p for p in ckpt_root.iterdir() if STEP_RE.match(p.name) and (p / TRAINER_STATE).is_file()]
+    return sorted(found, key=lambda p: int(STEP_RE.match(p.name).group(1)))
+
+
+def resolve_resume(resume: str, ckpt_root: Path) -> Path | None:
+    """--train.resume: '' -> None, 'auto' -> the latest checkpoint or None, else that directory."""
+    if not resume:
+        return None
+    if resume == "auto":
+        found = checkpoints(ckpt_root)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / TRAINER_STATE).is_file():
+        raise ConfigError(f"train.resume={resume!r} is not a checkpoint directory (no {TRAINER_STATE}); use auto or a step_XXXXXXX dir")
+    return path
+
+
+def load(path: Path, model: nn.Module, optimizer, scheduler) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and RNG from `path` (every rank); -> trainer state."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    try:
+        state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+        msd = load_file(str(path / "draft.safetensors"))
+    except (OSError, RuntimeError) as e:
+        raise ArtifactError(f"checkpoint {path} is unreadable ({e}); remove it to resume from the previous one") from e
+    set_model_state_dict(model, {f"draft.{k}": v for k, v in msd.items()}, options=_options(cpu=False))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_options(cpu=False))
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return state

@@ -1,0 +1,227 @@
+"""Batches for the trainer: split, per-epoch shuffle, token-budget packing, TTT gather indices.
+
+Legend: B rows (1: one packed row per micro-batch), S packed length, K aux layers, D target
+hidden, T TTT steps, M selected rows.
+
+A *source* is anything indexable that returns sample dicts (`input_ids`, `loss_mask`, `id`,
+`index`, and in offline mode `aux` [S, K, D] and `final` [S, D]) and has `lengths`:
+`eyas.hidden_states.HiddenStates` (offline: shards, checksums verified on first read) or
+`eyas.prepared.Prepared` (online: the target fills the states per batch, `OnlineStates`).
+
+Each epoch the training indices are shuffled with (seed, epoch); consecutive samples are packed
+into one row until the next would exceed `max_tokens`; the micro-batches are dealt to the ranks
+(rank r takes every world_size-th, all ranks get the same count). Positions restart at 0 in each
+sample, `doc` numbers the samples of the row (-1 = padding) and keeps attention and every TTT
+shift inside its sample. Everything is a pure function of (seed, epoch, step): resuming at a
+step replays the same batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from eyas.train.ttt import shift_left
+
+
+@dataclass
+class Batch:
+    input_ids_BS: torch.Tensor
+    loss_mask_BS: torch.Tensor
+    doc_BS: torch.Tensor
+    pos_BS: torch.Tensor
+    rows_T: list[torch.Tensor]
+    """Flat rows (b*S + t) trained at TTT step i: loss_mask[t+2+i] = 1 inside t's sample."""
+    tix_T: list[torch.Tensor]
+    """For each of rows_T[i], its teacher's index in teacher_rows_N (row t+1+i)."""
+    teacher_rows_N: torch.Tensor
+    """Flat rows whose final state needs the teacher (the next token is loss-masked, same sample)."""
+    lengths: list[int]
+    sample_ids: list[str]
+    aux_BSKD: torch.Tensor | None = None
+    final_BSD: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def to(self, device, non_blocking: bool = False) -> "Batch":
+        def mv(x):
+            if isinstance(x, torch.Tensor):
+                return x.to(device, non_blocking=non_blocking)
+            if isinstance(x, list) and x and isinstance(x[0], torch.Tensor):
+                return [t.to(device, non_blocking=non_blocking) for t in x]
+            return x
+
+        return Batch(**{f.name: mv(getattr(self, f.name)) for f in fields(self)})
+
+    def pin_memory(self) -> "Batch":
+        def pin(x):
+            if isinstance(x, torch.Tensor):
+                return x.pin_memory()
+            if isinstance(x, list) and x and isinstance(x[0], torch.Tensor):
+                return [t.pin_memory() for t in x]
+            return x
+
+        return Batch(**{f.name: pin(getattr(self, f.name)) for f in fields(self)})
+
+
+def split_indices(num_samples: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """-> (train, eval) sample indices; eval is a seeded random subset (>= 1 when fraction > 0)."""
+    perm = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_eval = 0 if eval_fraction <= 0 else max(1, int(round(num_samples * eval_fraction)))
+    if num_samples - n_eval < 1:
+        n_eval = num_samples - 1
+    return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+def pack_plan(order: list[int], lengths, max_tokens: int) -> list[list[int]]:
+    """Greedy token-budget packing of `order` (a longer sample is truncated to the budget)."""
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.tolist()
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i in order:
+        n = min(int(lengths[i]), max_tokens)
+        if cur and used + n > max_tokens:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def epoch_batches(
+    indices: list[int], lengths: torch.Tensor, max_tokens: int, seed: int, epoch: int, rank: int, world_size: int,
+    shuffle: bool = True,
+) -> list[list[int]]:
+    """This rank's micro-batches of one epoch (the same count on every rank)."""
+    if shuffle:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        order = [indices[j] for j in torch.randperm(len(indices), generator=g).tolist()]
+    else:
+        order = list(indices)
+    plan = pack_plan(order, lengths, max_tokens)
+    per_rank = len(plan) // world_size
+    return plan[rank : per_rank * world_size : world_size]
+
+
+def gather_indices(loss_mask_BS: torch.Tensor, doc_BS: torch.Tensor, num_steps: int):
+    """-> (rows_T, tix_T, teacher_rows_N); see `Batch`. Pure index arithmetic, on CPU."""
+    b, s = doc_BS.shape
+    flat_BS = torch.arange(b * s).view(b, s)
+    real_BS = doc_BS >= 0
+
+    def next_masked(k: int) -> torch.Tensor:  # loss_mask[t+k] = 1 and t+k in t's sample
+        return (shift_left(loss_mask_BS, k, 0) == 1) & (shift_left(doc_BS, k, -2) == doc_BS) & real_BS
+
+    teacher_rows_N = flat_BS[next_masked(1)]
+    slot = torch.full((b * s,), -1, dtype=torch.long)
+    slot[teacher_rows_N] = torch.arange(teacher_rows_N.numel())
+    rows_T, tix_T = [], []
+    for i in range(num_steps):
+        rows_M = flat_BS[next_masked(2 + i)]
+        tix_M = slot[rows_M + 1 + i]
+        assert bool((tix_M >= 0).all()), "a trained row has no teacher"
+        rows_T.append(rows_M)
+        tix_T.append(tix_M)
+    return rows_T, tix_T, teacher_rows_N
+
+
+def pack(samples: list[dict[str, Any]], num_steps: int, max_tokens: int, pad_multiple: int = 0) -> Batch:
+    """Samples -> one packed row [1, S] (S padded up to a multiple of pad_multiple)."""
+    cut = [{k: (v[:max_tokens] if isinstance(v, torch.Tensor) else v) for k, v in smp.items()} for smp in samples]
+    lengths = [int(smp["input_ids"].shape[0]) for smp in cut]
+    n = sum(lengths)
+    s = n if not pad_multiple else -(-n // pad_multiple) * pad_multiple
+    pad = s - n
+
+    def cat(key: str, fill=0) -> torch.Tensor:
+        parts = [smp[key] for smp in cut]
+        if pad:
+            parts.append(torch.full((pad, *parts[0].shape[1:]), fill, dtype=parts[0].dtype))
+        return torch.cat(parts)[None]
+
+    doc = torch.cat([torch.full((L,), j, dtype=torch.long) for j, L in enumerate(lengths)] + [torch.full((pad,), -1, dtype=torch.long)])[None]
+    pos = torch.cat([torch.arange(L) for L in lengths] + [torch.zeros(pad, dtype=torch.long)])[None]
+    loss_mask = cat("loss_mask")
+    rows_T, tix_T, teacher_rows = gather_indices(loss_mask, doc, num_steps)
+    has_states = "aux" in cut[0]
+    return Batch(
+        input_ids_BS=cat("input_ids"),
+        loss_mask_BS=loss_mask,
+        doc_BS=doc,
+        pos_BS=pos,
+        rows_T=rows_T,
+        tix_T=tix_T,
+        teacher_rows_N=teacher_rows,
+        lengths=lengths,
+        sample_ids=[str(smp["id"]) for smp in cut],
+        aux_BSKD=cat("aux") if has_states else None,
+        final_BSD=cat("final") if has_states else None,
+    )
+
+
+class PackedBatches(torch.utils.data.Dataset):
+    """Map-style view of a list of micro-batch plans (for a DataLoader with workers)."""
+
+    def __init__(self, source, plans: list[list[int]], num_steps: int, max_tokens: int, pad_multiple: int):
+        self.source, self.plans = source, plans
+        self.num_steps, self.max_tokens, self.pad_multiple = num_steps, max_tokens, pad_multiple
+
+    def __len__(self) -> int:
+        return len(self.plans)
+
+    def __getitem__(self, k: int) -> Batch:
+        return pack([self.source[i] for i in self.plans[k]], self.num_steps, self.max_tokens, self.pad_multiple)
+
+
+def batch_loader(source, plans: list[list[int]], num_steps: int, max_tokens: int, pad_multiple: int, num_workers: int, pin: bool):
+    return torch.utils.data.DataLoader(
+        PackedBatches(source, plans, num_steps, max_tokens, pad_multiple),
+        batch_size=None,
+        shuffle=False,
+        num_workers=num_workers,
+        pin_memory=pin,
+        persistent_workers=False,
+    )
+
+
+class OnlineStates:
+    """Online mode: the target (possibly on its own device) fills a batch's aux/final states with
+    the same capture code as the extract stage, one right-padded row per sample. Called on the
+    host-side batch; the states stay on the target's device until `Batch.to` moves them."""
+
+    def __init__(self, model, layer_ids: list[int], device):
+        self.model, self.layer_ids, self.device = model, list(layer_ids), torch.device(device)
+
+    @torch.no_grad()
+    def __call__(self, batch: Batch) -> Batch:
+        from eyas.capture import capture
+
+        ids_S = batch.input_ids_BS[0].cpu()
+        n, s = len(batch.lengths), batch.input_ids_BS.shape[1]
+        width = max(batch.lengths)
+        ids_nL = torch.zeros(n, width, dtype=torch.long)
+        attn_nL = torch.zeros(n, width, dtype=torch.long)
+        starts = [0]
+        for L in batch.lengths:
+            starts.append(starts[-1] + L)
+        for j, L in enumerate(batch.lengths):
+            ids_nL[j, :L] = ids_S[starts[j] : starts[j] + L]
+            attn_nL[j, :L] = 1
+        aux_nLKD, final_nLD = capture(
+            self.model, ids_nL.to(self.device), attn_nL.to(self.device), layer_ids=self.layer_ids
+        )
+        aux_BSKD = aux_nLKD.new_zeros(1, s, *aux_nLKD.shape[2:])
+        final_BSD = final_nLD.new_zeros(1, s, final_nLD.shape[-1])
+        for j, L in enumerate(batch.lengths):
+            aux_BSKD[0, starts[j] : starts[j] + L] = aux_nLKD[j, :L]
+            final_BSD[0, starts[j] : starts[j] + L] = final_nLD[j, :L]
+        batch.aux_BSKD, batch.final_BSD = aux_BSKD, final_BSD  # on the target's device
+        return batch

@@ -1,0 +1,326 @@
+"""The trainer: build once, then `train_step` per optimizer step, log, evaluate, checkpoint.
+
+Legend: B rows, S packed length, K aux layers, D hidden, V target vocab, W draft vocab, T TTT
+steps, N teacher rows, M selected rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from eyas.config import TrainConfig
+from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.errors import EyasError, record_error
+from eyas.train import checkpoint
+from eyas.train.data import Batch, batch_loader, epoch_batches
+from eyas.train.loss import acceptance_length, step_terms, step_weights, teacher_targets, weighted_loss
+from eyas.train.parallel import all_reduce_sum, clip_grad_norm, no_sync
+from eyas.train.ttt import flex_masks, sdpa_masks
+
+
+class TrainingDiverged(EyasError):
+    """The loss or the gradient norm went NaN/inf; training stopped before applying the update."""
+
+
+@dataclass
+class Teacher:
+    """The target's lm_head and the draft-vocab maps: final states -> teacher targets."""
+
+    lm_head_VD: torch.Tensor
+    draft_ids_W: torch.Tensor
+    target_to_draft_V: torch.Tensor
+    chunk: int
+
+    def __call__(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        final_ND = batch.final_BSD.flatten(0, 1)[batch.teacher_rows_N]
+        return teacher_targets(final_ND, self.lm_head_VD, self.draft_ids_W, self.target_to_draft_V, self.chunk)
+
+
+@dataclass
+class Trainer:
+    tc: TrainConfig
+    model: nn.Module  # TTTDraft, possibly DDP/FSDP-wrapped
+    draft: Eagle3Draft  # the plain module inside
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    teacher: Teacher
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    attention: str  # "sdpa" | "flex"
+    world_size: int = 1
+    rank: int = 0
+    states: Any = None  # OnlineStates in online mode
+    weights_T: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.weights_T = step_weights(self.tc.ttt_steps, self.tc.step_weight, self.device)
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def prepare(self, batch: Batch) -> Batch:
+        if self.states is not None:  # online: the target fills aux/final from the host-side ids
+            batch = self.states(batch)
+        return batch.to(self.device, non_blocking=True)
+
+    def forward(self, batch: Batch) -> list[torch.Tensor]:
+        make_masks = flex_masks if self.attention == "flex" else sdpa_masks
+        masks = make_masks(batch.doc_BS, self.tc.ttt_steps)
+        with self.autocast():
+            return self.model(batch.aux_BSKD, batch.input_ids_BS, batch.pos_BS, masks, batch.rows_T)
+
+
+def num_valid(top1_N: torch.Tensor, tix_T: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([(top1_N[tix] >= 0).sum() for tix in tix_T])
+
+
+def train_step(tr: Trainer, batches: list[Batch], step: int) -> dict[str, torch.Tensor]:
+    """One optimizer step over this rank's micro-batches of the accumulation window.
+
+    -> local sums: loss_sum_T, correct_T, valid_T (device), mask_T (host), grad_norm (device), tokens (int).
+    """
+    batches = [tr.prepare(b) for b in batches]
+    teachers = [tr.teacher(b) for b in batches]  # no grad; p_NW, top1_N per micro-batch
+    # the loss is normalised by the number of valid positions of the whole window on all ranks
+    valid_T = torch.stack([num_valid(top1, b.tix_T) for (_, top1), b in zip(teachers, batches)]).sum(0)
+    global_valid_T = all_reduce_sum(valid_T.clone())
+    loss_sum_T = torch.zeros_like(tr.weights_T)
+    correct_T = torch.zeros_like(valid_T)
+    for j, (b, (p_NW, top1_N)) in enumerate(zip(batches, teachers)):
+        with no_sync(tr.model, sync=j == len(batches) - 1):
+            logits_T = tr.forward(b)
+            ls_T, cor_T, _ = step_terms(logits_T, p_NW, top1_N, b.tix_T)
+            # x world_size: DDP / FSDP average gradients over ranks, the global normaliser is a sum
+            loss = weighted_loss(ls_T, global_valid_T, tr.weights_T) * tr.world_size
+            loss.backward()
+        loss_sum_T += ls_T.detach()
+        correct_T += cor_T
+    grad_norm = clip_grad_norm(tr.model, tr.tc.grad_clip)
+    # .item(): one deliberate host sync per optimizer step, so a non-finite update is never applied
+    if not bool((torch.isfinite(loss_sum_T).all() & torch.isfinite(grad_norm)).item()):
+        raise_non_finite(step, batches, loss_sum_T, grad_norm)
+    tr.optimizer.step()
+    tr.scheduler.step()
+    tr.optimizer.zero_grad(set_to_none=True)
+    # host-side counts stay on the host (a pageable host->device copy would wait for the GPU)
+    mask_T = torch.tensor([sum(len(b.rows_T[i]) for b in batches) for i in range(tr.tc.ttt_steps)])
+    return {"loss_sum_T": loss_sum_T, "correct_T": correct_T, "valid_T": valid_T, "mask_T": mask_T,
+            "grad_norm": grad_norm.detach().float(), "tokens": sum(b.num_tokens for b in batches)}
+
+
+def raise_non_finite(step: int, batches: list[Batch], loss_sum_T: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    losses = loss_sum_T.tolist()
+    bad = [f"loss of TTT step {i}" for i, v in enumerate(losses) if not math.isfinite(v)]
+    term = ", ".join(bad) if bad else "gradient norm"
+    ids = [s for b in batches for s in b.sample_ids]
+    raise TrainingDiverged(
+        f"step {step}: non-finite {term} (loss sums per TTT step {losses}, grad norm {float(grad_norm)}) "
+        f"on samples {ids}; lower --train.lr, check these samples' hidden states, or resume from an earlier checkpoint"
+    )
+
+
+def summarize(sums: dict[str, torch.Tensor], weights_T: torch.Tensor) -> dict[str, Any]:
+    """Global metrics from summed counters (all-reduced here: one collective, one host sync)."""
+    keys = ("loss_sum_T", "correct_T", "valid_T", "mask_T")
+    device = sums["loss_sum_T"].device
+    packed = all_reduce_sum(torch.stack([sums[k].to(device, torch.float64) for k in keys]))
+    loss_sum, correct, valid, mask = packed.tolist()  # .tolist(): the logging sync point
+    loss_T = [s / max(v, 1) for s, v in zip(loss_sum, valid)]
+    acc_T = [c / max(m, 1) for c, m in zip(correct, mask)]
+    w = weights_T.tolist()
+    return {
+        "loss": sum(wi * li for wi, li in zip(w, loss_T)),
+        "loss_T": loss_T,
+        "acc_T": acc_T,
+        "tau": acceptance_length(acc_T),
+        "valid_T": [int(v) for v in valid],
+    }
+
+
+@torch.no_grad()
+def evaluate(tr: Trainer, loader, max_batches: int = 0) -> dict[str, Any]:
+    tr.model.eval()
+    sums = {k: torch.zeros(tr.tc.ttt_steps, device=tr.device, dtype=torch.float64)
+            for k in ("loss_sum_T", "correct_T", "valid_T")}
+    sums["mask_T"] = torch.zeros(tr.tc.ttt_steps, dtype=torch.float64)  # host-side counts
+    for n, b in enumerate(loader):
+        if max_batches and n >= max_batches:
+            break
+        b = tr.prepare(b)
+        p_NW, top1_N = tr.teacher(b)
+        ls_T, cor_T, val_T = step_terms(tr.forward(b), p_NW, top1_N, b.tix_T)
+        sums["loss_sum_T"] += ls_T
+        sums["correct_T"] += cor_T
+        sums["valid_T"] += val_T
+        sums["mask_T"] += torch.tensor([len(r) for r in b.rows_T], dtype=torch.float64)
+    tr.model.train()
+    return summarize(sums, tr.weights_T)
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float):
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+class Schedule:
+    """Steps per epoch (fixed by the seed) and the optimizer-step -> (epoch, window) map."""
+
+    def __init__(self, tc: TrainConfig, indices: list[int], lengths: torch.Tensor, seed: int, rank: int, world: int):
+        self.tc, self.indices, self.seed, self.rank, self.world = tc, indices, seed, rank, world
+        self.lengths = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
+        self.steps_per_epoch = [len(self.plans(e, 0)) // tc.grad_accum for e in range(tc.epochs)]
+        if not any(self.steps_per_epoch):
+            raise EyasError(
+                f"not enough training data for one optimizer step: {len(indices)} samples pack into fewer than "
+                f"train.grad_accum x world size = {tc.grad_accum} x {world} micro-batches of "
+                f"train.max_tokens={tc.max_tokens}; lower those or add data"
+            )
+        full = sum(self.steps_per_epoch)
+        self.total = min(tc.max_steps, full) if tc.max_steps else full
+
+    def plans(self, epoch: int, rank: int | None = None) -> list[list[int]]:
+        r = self.rank if rank is None else rank
+        return epoch_batches(self.indices, self.lengths, self.tc.max_tokens, self.seed, epoch, r, self.world)
+
+    def position(self, step: int) -> tuple[int, int]:
+        for e, n in enumerate(self.steps_per_epoch):
+            if step < n:
+                return e, step
+            step -= n
+        return len(self.steps_per_epoch), 0
+
+
+def micro_batches(tr: Trainer, sched: Schedule, source, start_step: int, pad_multiple: int, num_workers: int):
+    """Yield (step, epoch, [Batch] * grad_accum) from `start_step` to the end of the schedule."""
+    step, accum = start_step, tr.tc.grad_accum
+    while step < sched.total:
+        epoch, window = sched.position(step)
+        plans = sched.plans(epoch)[window * accum : sched.steps_per_epoch[epoch] * accum]
+        it = iter(batch_loader(source, plans, tr.tc.ttt_steps, tr.tc.max_tokens, pad_multiple, num_workers,
+                               pin=tr.device.type == "cuda"))
+        for _ in range(window, sched.steps_per_epoch[epoch]):
+            if step >= sched.total:
+                return
+            yield step, epoch, [next(it) for _ in range(accum)]
+            step += 1
+
+
+class MetricsLog:
+    """metrics.jsonl (rank 0), optionally mirrored to TensorBoard."""
+
+    def __init__(self, path: Path, rank: int, tensorboard: bool, resume_step: int):
+        self.path, self.rank, self.tb = path, rank, None
+        if rank != 0:
+            return
+        if path.exists():  # drop records past the checkpoint we resume from (a killed run wrote them)
+            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
+            path.write_text("".join(ln + "\n" for ln in keep))
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise EyasError("--train.tensorboard=true needs the tensorboard package (pip install tensorboard)") from e
+            self.tb = SummaryWriter(str(path.parent / "tb"))
+
+    def write(self, rec: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            split = rec["split"]
+            for key in ("loss", "tau", "lr", "grad_norm", "tokens_per_s"):
+                if key in rec:
+                    self.tb.add_scalar(f"{split}/{key}", rec[key], rec["step"])
+            for i, (lo, ac) in enumerate(zip(rec["loss_T"], rec["acc_T"])):
+                self.tb.add_scalar(f"{split}/loss_{i}", lo, rec["step"])
+                self.tb.add_scalar(f"{split}/acc_{i}", ac, rec["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_cfg: DraftConfig,
+        resume: Path | None, pad_multiple: int, num_workers: int) -> dict[str, Any]:
+    """The training loop; -> final metrics (last train window, final eval)."""
+    tc = tr.tc
+    start = 0
+    if resume is not None:
+        state = checkpoint.load(resume, tr.model, tr.optimizer, tr.scheduler)
+        start = state["step"]
+        if tr.rank == 0 and (state["world_size"], state["total_steps"]) != (tr.world_size, sched.total):
+            print(f"[eyas:train] warning: {resume} was written by a run of {state['total_steps']} steps on "
+                  f"{state['world_size']} ranks, this one has {sched.total} steps on {tr.world_size}: the data order "
+                  "and learning-rate schedule differ from the original run's", flush=True)
+    log = MetricsLog(out / "metrics.jsonl", tr.rank, tc.tensorboard, start)
+    ckpt_root = out / "checkpoints"
+    zero = {k: torch.zeros(tc.ttt_steps, device=tr.device if k != "mask_T" else "cpu", dtype=torch.float64)
+            for k in ("loss_sum_T", "correct_T", "valid_T", "mask_T")}
+    acc = {k: v.clone() for k, v in zero.items()}
+    tokens, norms, t0 = 0, [], time.perf_counter()
+    last_train: dict[str, Any] = {}
+    last_eval: dict[str, Any] = {}
+    step, epoch = start, sched.position(start)[0]
+    tr.model.train()
+    for step, epoch, batches in micro_batches(tr, sched, source, start, pad_multiple, num_workers):
+        out_s = train_step(tr, batches, step)
+        for k in acc:
+            acc[k] += out_s[k]
+        tokens += out_s["tokens"]
+        norms.append(out_s["grad_norm"])
+        done = step + 1
+        if done % tc.log_every == 0 or done == sched.total:
+            rec = summarize(acc, tr.weights_T)
+            num_tokens = float(all_reduce_sum(torch.tensor(float(tokens), device=tr.device)).item())  # logging sync
+            dt = time.perf_counter() - t0
+            last_train = dict(step=done, epoch=epoch, split="train", **rec, lr=tr.scheduler.get_last_lr()[0],
+                              grad_norm=float(torch.stack(norms).mean()), tokens=int(num_tokens),
+                              tokens_per_s=num_tokens / max(dt, 1e-9))
+            log.write(last_train)
+            if tr.rank == 0:
+                print(f"[eyas:train] step {done}/{sched.total} loss {rec['loss']:.4f} acc0 {rec['acc_T'][0]:.3f} "
+                      f"tau {rec['tau']:.3f} lr {last_train['lr']:.2e} |g| {last_train['grad_norm']:.3f} "
+                      f"{last_train['tokens_per_s']:.0f} tok/s", flush=True)
+            acc = {k: v.clone() for k, v in zero.items()}
+            tokens, norms, t0 = 0, [], time.perf_counter()
+        if eval_loader_fn is not None and tc.eval_every and done % tc.eval_every == 0 and done < sched.total:
+            last_eval = dict(step=done, epoch=epoch, split="eval", **evaluate(tr, eval_loader_fn(), tc.eval_max_batches))
+            log.write(last_eval)
+        if tc.save_every and done % tc.save_every == 0 and done < sched.total:
+            save(tr, ckpt_root, done, sched, draft_cfg)
+    if eval_loader_fn is not None:
+        last_eval = dict(step=sched.total, epoch=epoch, split="eval", **evaluate(tr, eval_loader_fn(), tc.eval_max_batches))
+        log.write(last_eval)
+    if start < sched.total or not checkpoint.checkpoints(ckpt_root):
+        save(tr, ckpt_root, sched.total, sched, draft_cfg)
+    log.close()
+    return {"train": last_train, "eval": last_eval}
+
+
+def save(tr: Trainer, ckpt_root: Path, step: int, sched: Schedule, draft_cfg: DraftConfig) -> None:
+    epoch, window = sched.position(step)
+    trainer = {"epoch": epoch, "window": window, "world_size": tr.world_size, "total_steps": sched.total}
+    checkpoint.save(ckpt_root, step, tr.model, tr.optimizer, tr.scheduler, draft_cfg, trainer, tr.rank,
+                    tr.tc.keep_checkpoints)
+
+
+def record_failure(out: Path, exc: BaseException, rank: int, step: int | None = None) -> None:
+    record_error(out / "errors.jsonl" if out.is_dir() else None, exc, stage="train", rank=rank,
+                 **({"step": step} if step is not None else {}))

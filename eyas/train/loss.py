@@ -1,0 +1,82 @@
+"""Teacher distributions, the TTT loss and its metrics.
+
+Legend: N rows needing a teacher, M selected rows of one TTT step, D target hidden, V target
+vocab, W draft vocab, T TTT steps.
+
+Teacher: the target's lm_head applied to its stored final hidden state (after the final norm), in
+chunks of rows so the V-wide logits never exist for the whole batch; its top-1 over all V tokens
+decides whether the position counts (top-1 inside the draft vocab); the logits of the W draft
+tokens, softmaxed, are the target distribution over the draft vocab.
+
+Loss of TTT step i: soft cross-entropy (forward KL up to the teacher's entropy) of the draft's
+W-way distribution against the teacher, summed over valid positions (loss mask 1 and teacher
+top-1 in the draft vocab), divided by the global number of valid positions of step i (all
+micro-batches of the optimizer step, all ranks), weighted by step_weight**i and summed over i.
+
+Accuracy of step i: positions where the draft's top-1 is the teacher's top-1, over all positions
+with loss mask 1 (a teacher top-1 outside the draft vocab is a miss the draft cannot avoid).
+Simulated acceptance length: tau = 1 + sum_k prod_{i<=k} acc_i (chain acceptance under greedy
+verification, the bonus token counted).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+@torch.no_grad()
+def teacher_targets(
+    final_ND: torch.Tensor,
+    lm_head_VD: torch.Tensor,
+    draft_ids_W: torch.Tensor,
+    target_to_draft_V: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (p_NW float32 teacher distribution over the draft vocab, top1_N: the draft id of the
+    target's top-1 token, -1 where that token is outside the draft vocab)."""
+    n = final_ND.shape[0]
+    p_NW = torch.empty(n, draft_ids_W.numel(), dtype=torch.float32, device=final_ND.device)
+    top1_N = torch.empty(n, dtype=torch.long, device=final_ND.device)
+    with torch.autocast(final_ND.device.type, enabled=False):
+        for a in range(0, n, chunk):
+            logits_cV = final_ND[a : a + chunk].to(lm_head_VD.dtype) @ lm_head_VD.T
+            top1_N[a : a + chunk] = target_to_draft_V[logits_cV.argmax(-1)]
+            p_NW[a : a + chunk] = torch.softmax(logits_cV.index_select(1, draft_ids_W).float(), dim=-1)
+    return p_NW, top1_N
+
+
+def step_terms(
+    logits_T: list[torch.Tensor], p_NW: torch.Tensor, top1_N: torch.Tensor, tix_T: list[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per TTT step over this micro-batch -> (loss_sum_T with grad, num_correct_T, num_valid_T).
+
+    logits_T[i]: draft logits [M, W] of step i's selected rows; tix_T[i]: their teacher rows.
+    """
+    loss_sums, correct, valid = [], [], []
+    for logits_MW, tix_M in zip(logits_T, tix_T):
+        p_MW, top1_M = p_NW[tix_M], top1_N[tix_M]
+        ok_M = top1_M >= 0
+        ce_M = F.cross_entropy(logits_MW.float(), p_MW, reduction="none")
+        loss_sums.append(torch.where(ok_M, ce_M, 0.0).sum())
+        correct.append((logits_MW.detach().argmax(-1) == top1_M).sum())  # top1 -1 never matches
+        valid.append(ok_M.sum())
+    return torch.stack(loss_sums), torch.stack(correct), torch.stack(valid)
+
+
+def step_weights(num_steps: int, gamma: float, device=None) -> torch.Tensor:
+    return gamma ** torch.arange(num_steps, dtype=torch.float32, device=device)
+
+
+def weighted_loss(loss_sum_T: torch.Tensor, num_valid_T: torch.Tensor, weights_T: torch.Tensor) -> torch.Tensor:
+    """sum_i w_i * loss_sum_i / max(num_valid_i, 1)."""
+    return (weights_T * loss_sum_T / num_valid_T.clamp(min=1)).sum()
+
+
+def acceptance_length(acc_T: list[float]) -> float:
+    """tau = 1 + sum_k prod_{i<=k} acc_i."""
+    tau, run = 1.0, 1.0
+    for a in acc_T:
+        run *= a
+        tau += run
+    return tau

@@ -1,0 +1,160 @@
+"""Training-time test (TTT): the draft unrolled on its own outputs, all positions at once.
+
+Legend: B batch rows, S packed sequence, D hidden, K aux layers, H heads, d head dim, T TTT steps,
+P keys, M selected (loss) positions, W draft vocab.
+
+Alignment (t = a position of the packed row; every index below stays inside t's own sample):
+
+    step 0, row t:  h = fc(aux_t),                 token = ids[t+1], RoPE position pos_t
+    step i, row t:  h = prenorm output of step i-1 at row t,
+                    token = ids[t+1+i],                             RoPE position pos_t + i
+    output of step i at row t predicts token t+2+i; its teacher is lm_head(final[t+1+i]) (the
+    target's next-token distribution after seeing tokens ..t+1+i), its loss mask loss_mask[t+2+i].
+
+    keys seen by step i at row t: the step-0 keys of rows t' <= t of the same sample (positions
+    pos_t'), and the step-j keys of row t itself for 1 <= j <= i (positions pos_t + j) — the
+    "diagonal" of EAGLE-3's Figure 6.
+
+This is what serving does: vLLM and SGLang run the draft once over the verified tokens (row t
+consumes aux_t and token t+1 at the position of t), then each further draft token at the next
+position, attending to that prefix and to the draft's own earlier tokens. It is the EAGLE-3
+reference trainer (SafeAILab/EAGLE eagle/traineagle3/cnets.py: RoPE at `position_ids + lck`,
+step-0 keys through the causal mask plus one diagonal key per earlier step; SpecForge's
+specforge/core/eagle3.py follows it for ids/teacher/hidden-state shifts). One deliberate
+difference: the reference shifts the loss mask together with the input ids, so its step-i mask
+is loss_mask[t+i]; eyas masks the token actually predicted, loss_mask[t+2+i].
+
+`ttt_forward` computes each step for all rows at once: one attention call over
+cat(step-0 keys, step-1 keys, ..., step-i keys) with a mask that is causal (and same-sample) on
+the first block and the identity on the others, as an explicit boolean mask for SDPA or a
+FlexAttention block mask (which skips the empty tiles). `naive_ttt` is the independent
+reference: for every row it literally runs the draft autoregressively with an ordinary KV cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from eyas.draft import Eagle3Draft
+
+
+def shift_left(x_BS: torch.Tensor, k: int, fill) -> torch.Tensor:
+    """out[:, t] = x[:, t+k], `fill` past the end of the row."""
+    if k == 0:
+        return x_BS
+    pad = torch.full_like(x_BS[:, :k], fill)
+    return torch.cat([x_BS[:, k:], pad], dim=1)
+
+
+def sdpa_masks(doc_BS: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
+    """Boolean masks [B, S, (i+1)*S] for steps i = 0..T-1 (True = may attend)."""
+    s = doc_BS.shape[1]
+    idx = torch.arange(s, device=doc_BS.device)
+    causal_SS = idx[None, :] <= idx[:, None]
+    block0_BSS = causal_SS[None] & (doc_BS[:, :, None] == doc_BS[:, None, :])
+    eye_BSS = torch.eye(s, dtype=torch.bool, device=doc_BS.device)[None].expand_as(block0_BSS)
+    return [torch.cat([block0_BSS] + [eye_BSS] * i, dim=-1) for i in range(num_steps)]
+
+
+def ttt_mask_mod(doc_BS: torch.Tensor, s: int):
+    """FlexAttention mask_mod over keys cat(step 0, ..., step i), each block S long."""
+
+    def mask_mod(b, h, q, kv):
+        blk, r = kv // s, kv % s
+        first = (r <= q) & (doc_BS[b, q] == doc_BS[b, r])
+        return torch.where(blk == 0, first, r == q)
+
+    return mask_mod
+
+
+_block_mask_compiled = None
+
+
+def flex_masks(doc_BS: torch.Tensor, num_steps: int, compile: bool = True) -> list:
+    """FlexAttention BlockMasks with the same semantics as `sdpa_masks` (S a multiple of 128).
+
+    create_block_mask is compiled once; the mask_mod closes over this batch's `doc_BS`, which does
+    not recompile (dynamo guards the closure's code and tensor metadata, not its identity)."""
+    global _block_mask_compiled
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if compile and _block_mask_compiled is None:
+        _block_mask_compiled = torch.compile(create_block_mask)
+    make = _block_mask_compiled if compile else create_block_mask
+    b, s = doc_BS.shape
+    mod = ttt_mask_mod(doc_BS, s)
+    return [make(mod, b, None, s, (i + 1) * s, device=doc_BS.device) for i in range(num_steps)]
+
+
+def ttt_forward(
+    draft: Eagle3Draft,
+    aux_BSKD: torch.Tensor,
+    input_ids_BS: torch.Tensor,
+    pos_BS: torch.Tensor,
+    masks: list,
+) -> list[torch.Tensor]:
+    """-> [prenorm_BSD of step i for i < T], T = len(masks) (from `sdpa_masks` or `flex_masks`)."""
+    h_BSD = draft.fuse(aux_BSKD)
+    keys, values, outs = [], [], []
+    for i, mask in enumerate(masks):
+        ids_BS = shift_left(input_ids_BS, 1 + i, 0)
+        past_k = torch.cat(keys, dim=2) if keys else None
+        past_v = torch.cat(values, dim=2) if values else None
+        h_BSD, k_BHSd, v_BHSd = draft.forward_step(ids_BS, h_BSD, pos_BS + i, past_k, past_v, mask)
+        keys.append(k_BHSd)
+        values.append(v_BHSd)
+        outs.append(h_BSD)
+    return outs
+
+
+class TTTDraft(nn.Module):
+    """The draft as one module whose forward runs the whole unroll and the draft head on the
+    selected rows, so DDP / FSDP2 (which hook `forward`) can wrap it."""
+
+    def __init__(self, draft: Eagle3Draft):
+        super().__init__()
+        self.draft = draft
+
+    def forward(self, aux_BSKD, input_ids_BS, pos_BS, masks: list, rows_T: list[torch.Tensor]) -> list[torch.Tensor]:
+        """-> [logits_MW of step i at the flat rows rows_T[i]] (float32)."""
+        outs = ttt_forward(self.draft, aux_BSKD, input_ids_BS, pos_BS, masks)
+        logits = []
+        for prenorm_BSD, rows_M in zip(outs, rows_T):
+            logits.append(self.draft.logits(prenorm_BSD.flatten(0, 1)[rows_M]).float())
+        return logits
+
+
+@torch.no_grad()
+def naive_ttt(
+    draft: Eagle3Draft,
+    aux_SKD: torch.Tensor,
+    input_ids_S: torch.Tensor,
+    num_steps: int,
+) -> torch.Tensor:
+    """Reference for one sample: from every row t, run the draft the way it is served.
+
+    Prefill rows 0..t (h = fc(aux_j), token j+1, position j) with a causal mask; then draft step
+    i >= 1 feeds the previous output back with token t+1+i at position t+i, attending to the
+    KV cache (prefill + earlier steps). -> prenorm [T, S, D]; rows whose tokens run past the
+    sample are zero.
+    """
+    s = input_ids_S.shape[0]
+    h_SD = draft.fuse(aux_SKD[None])[0]
+    out_TSD = torch.zeros(num_steps, s, h_SD.shape[-1], dtype=h_SD.dtype)
+    for t in range(s - 1):
+        ids = input_ids_S[1 : t + 2][None]
+        pos = torch.arange(t + 1)[None]
+        h, k_cache, v_cache = draft.forward_step(ids, h_SD[: t + 1][None], pos)
+        h = h[:, -1:]
+        out_TSD[0, t] = h[0, 0]
+        for i in range(1, num_steps):
+            if t + 1 + i >= s:
+                break
+            ids = input_ids_S[t + 1 + i].view(1, 1)
+            pos = torch.tensor([[t + i]])
+            mask = torch.ones(1, 1, k_cache.shape[2] + 1, dtype=torch.bool)
+            h, k, v = draft.forward_step(ids, h, pos, k_cache, v_cache, mask)
+            k_cache, v_cache = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)
+            out_TSD[i, t] = h[0, 0]
+    return out_TSD

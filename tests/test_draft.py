@@ -1,0 +1,182 @@
+"""The EAGLE-3 draft against the reference layout and an independent hand-written decoder step.
+
+Reference layout: the tensors of the EAGLE-3 reference checkpoint for Llama-3.1-8B-Instruct
+(yuhuili/EAGLE3-LLaMA3.1-Instruct-8B), the names SGLang's LlamaForCausalLMEagle3 loads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from eyas.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
+
+LLAMA31_8B = dict(
+    hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+    num_hidden_layers=32, rope_theta=500000.0, max_position_embeddings=131072, rms_norm_eps=1e-5,
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192},
+)
+
+# name -> shape in the reference checkpoint (D 4096, W 32000, V 128256, 3 aux layers)
+REFERENCE_8B = {
+    "d2t": (32000,),
+    "t2d": (128256,),
+    "fc.weight": (4096, 3 * 4096),
+    "midlayer.input_layernorm.weight": (4096,),
+    "midlayer.hidden_norm.weight": (4096,),
+    "midlayer.self_attn.q_proj.weight": (4096, 2 * 4096),
+    "midlayer.self_attn.k_proj.weight": (1024, 2 * 4096),
+    "midlayer.self_attn.v_proj.weight": (1024, 2 * 4096),
+    "midlayer.self_attn.o_proj.weight": (4096, 4096),
+    "midlayer.post_attention_layernorm.weight": (4096,),
+    "midlayer.mlp.gate_proj.weight": (14336, 4096),
+    "midlayer.mlp.up_proj.weight": (14336, 4096),
+    "midlayer.mlp.down_proj.weight": (4096, 14336),
+    "norm.weight": (4096,),
+    "lm_head.weight": (32000, 4096),
+}
+
+
+def small_cfg(**kw) -> DraftConfig:
+    base = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                target_hidden_size=24, num_aux_layers=3, draft_vocab_size=20, vocab_size=40, rope_theta=10000.0,
+                rms_norm_eps=1e-6)
+    base.update(kw)
+    return DraftConfig(**base)
+
+
+def random_draft(cfg: DraftConfig, seed: int = 0) -> Eagle3Draft:
+    torch.manual_seed(seed)
+    m = Eagle3Draft(cfg, torch.randn(cfg.vocab_size, cfg.hidden_size)).double()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return m
+
+
+def test_layout_matches_the_reference_checkpoint():
+    tcfg = LlamaConfig(**LLAMA31_8B)
+    cfg = DraftConfig.from_target(tcfg, 32000, [2, 16, 29])
+    with torch.device("meta"):
+        m = Eagle3Draft(cfg)
+    sd = m.state_dict()
+    assert {k: tuple(v.shape) for k, v in sd.items()} == REFERENCE_8B
+    assert "embed_weight" not in sd and not any("rotary" in k for k in sd)
+    assert set(dict(m.named_parameters())) == set(REFERENCE_8B) - {"d2t", "t2d"}  # the vocab maps are buffers
+    n_ref = sum(math.prod(s) for k, s in REFERENCE_8B.items() if k not in ("d2t", "t2d"))
+    assert m.num_trainable_parameters() == n_ref
+    assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
+    assert all(mod.bias is None for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+
+
+def test_sizes_default_from_the_target_and_are_overridable():
+    tcfg = LlamaConfig(**LLAMA31_8B)
+    cfg = DraftConfig.from_target(tcfg, 32000, [2, 16, 29])
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size) == (
+        4096, 32, 8, 128, 14336)
+    assert cfg.rope_theta == 500000.0 and cfg.rope_scaling["rope_type"] == "llama3" and cfg.rms_norm_eps == 1e-5
+    assert cfg.target_hidden_size == 4096 and cfg.num_aux_layers == 3 and cfg.aux_layer_ids == [2, 16, 29]
+    assert not cfg.norm_before_residual
+    o = DraftConfig.from_target(tcfg, 32000, [2, 16, 29], num_attention_heads=16, num_key_value_heads=4,
+                                intermediate_size=8192, rope_theta=1e6, norm_before_residual=True)
+    assert (o.num_attention_heads, o.num_key_value_heads, o.intermediate_size, o.rope_theta) == (16, 4, 8192, 1e6)
+    assert o.head_dim == 128 and o.norm_before_residual
+
+
+def test_rope_is_the_targets():
+    tcfg = LlamaConfig(**LLAMA31_8B)
+    m_cfg = DraftConfig.from_target(tcfg, 32000, [2, 16, 29])
+    from eyas.draft import Rotary
+
+    pos = torch.tensor([[0, 1, 7, 4095, 9000, 100000]])
+    x = torch.zeros(1, 6, 8)
+    cos, sin = Rotary(m_cfg)(x, pos)
+    cos_ref, sin_ref = LlamaRotaryEmbedding(tcfg)(x, pos)
+    assert torch.equal(cos, cos_ref) and torch.equal(sin, sin_ref)
+
+
+def test_fc_fuses_aux_states_in_layer_id_order():
+    cfg = small_cfg()
+    m = random_draft(cfg)
+    aux = torch.randn(2, 5, 3, 24, dtype=torch.float64)
+    want = torch.cat([aux[:, :, 0], aux[:, :, 1], aux[:, :, 2]], dim=-1) @ m.fc.weight.T
+    torch.testing.assert_close(m.fuse(aux), want)
+
+
+def rms(x, w, eps):
+    return w * (x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def reference_step(m: Eagle3Draft, ids_S, h_SD, pos_S, norm_before_residual: bool):
+    """One decoder step written out from the EAGLE-3 description, batch 1, causal."""
+    c = m.config
+    L = m.midlayer
+    emb = m.embed_weight[ids_S]
+    x = torch.cat([rms(emb, L.input_layernorm.weight, c.rms_norm_eps), rms(h_SD, L.hidden_norm.weight, c.rms_norm_eps)], -1)
+    assert x.shape[-1] == 2 * c.hidden_size
+    a = L.self_attn
+    s = ids_S.shape[0]
+    q = (x @ a.q_proj.weight.T).view(s, c.num_attention_heads, c.head_dim).transpose(0, 1)
+    k = (x @ a.k_proj.weight.T).view(s, c.num_key_value_heads, c.head_dim).transpose(0, 1)
+    v = (x @ a.v_proj.weight.T).view(s, c.num_key_value_heads, c.head_dim).transpose(0, 1)
+    lcfg = LlamaConfig(hidden_size=c.num_attention_heads * c.head_dim, num_attention_heads=c.num_attention_heads,
+                       head_dim=c.head_dim, rope_theta=c.rope_theta)
+    cos, sin = LlamaRotaryEmbedding(lcfg)(x.float(), pos_S[None])
+    q, k = apply_rotary_pos_emb(q[None], k[None], cos.double(), sin.double())
+    rep = c.num_attention_heads // c.num_key_value_heads
+    k, v = k[0].repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    scores = q[0] @ k.transpose(-1, -2) / math.sqrt(c.head_dim)
+    scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    o = (scores.softmax(-1) @ v).transpose(0, 1).reshape(s, -1) @ a.o_proj.weight.T
+    residual = rms(h_SD, L.hidden_norm.weight, c.rms_norm_eps) if norm_before_residual else h_SD
+    h = residual + o
+    y = rms(h, L.post_attention_layernorm.weight, c.rms_norm_eps)
+    mlp = L.mlp
+    h = h + (F.silu(y @ mlp.gate_proj.weight.T) * (y @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+    return h
+
+
+@pytest.mark.parametrize("nbr", [False, True])
+def test_decoder_step_matches_a_hand_written_reference(nbr):
+    cfg = small_cfg(norm_before_residual=nbr)
+    m = random_draft(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (6,))
+    h = torch.randn(6, cfg.hidden_size, dtype=torch.float64) * 3
+    pos = torch.tensor([3, 4, 5, 6, 7, 8])
+    out, k, v = m.forward_step(ids[None], h[None], pos[None])
+    # (RMSNorm computes in fp32 as the reference and transformers do, hence not fp64-tight)
+    torch.testing.assert_close(out[0], reference_step(m, ids, h, pos, nbr), rtol=1e-5, atol=1e-5)
+    assert k.shape == v.shape == (1, cfg.num_key_value_heads, 6, cfg.head_dim)
+    logits = m.logits(out)
+    want = rms(out[0], m.norm.weight, cfg.rms_norm_eps) @ m.lm_head.weight.T
+    torch.testing.assert_close(logits[0], want, rtol=1e-5, atol=1e-5)
+    assert logits.shape[-1] == cfg.draft_vocab_size
+
+
+def test_norm_before_residual_changes_the_output_and_is_recorded(tmp_path):
+    a, b = random_draft(small_cfg()), random_draft(small_cfg(norm_before_residual=True))
+    ids, h, pos = torch.randint(0, 40, (1, 4)), torch.randn(1, 4, 32, dtype=torch.float64) * 5, torch.arange(4)[None]
+    assert not torch.allclose(a.forward_step(ids, h, pos)[0], b.forward_step(ids, h, pos)[0])
+    save_draft(b, tmp_path)
+    assert json.loads((tmp_path / "draft_config.json").read_text())["norm_before_residual"] is True
+
+
+def test_embedding_is_frozen_and_never_saved(tmp_path):
+    cfg = small_cfg()
+    m = random_draft(cfg).float()
+    assert "embed_weight" not in dict(m.named_parameters())
+    ids, h, pos = torch.randint(0, 40, (1, 5)), torch.randn(1, 5, 32), torch.arange(5)[None]
+    m.forward_step(ids, h, pos)[0].sum().backward()
+    assert m.embed_weight.grad is None and m.fc.weight.grad is None and m.midlayer.hidden_norm.weight.grad is not None
+    save_draft(m, tmp_path)
+    from safetensors.torch import load_file
+
+    assert "embed_weight" not in load_file(str(tmp_path / "draft.safetensors"))
+    back = load_draft(tmp_path, m.embed_weight.clone())
+    torch.testing.assert_close(back.forward_step(ids, h, pos)[0], m.forward_step(ids, h, pos)[0])

@@ -1,0 +1,290 @@
+"""train: loss on a hand-built example, a tiny run on real SmolLM2 hidden states, offline = online,
+non-finite stop, kill -9 + resume, outputs (final draft, meta.json, plots)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from eyas.errors import ConfigError
+from eyas.train import build, run
+from eyas.train.loss import acceptance_length, step_terms, teacher_targets, weighted_loss
+from train_helpers import one_thread  # noqa: F401  (autouse fixture)
+from train_helpers import InMemoryStates, read_metrics, run_prepare, save_tiny_llama, train_config, write_chats
+
+
+@pytest.fixture(scope="session")
+def smol_prep(tmp_path_factory, smollm2_dir):
+    tmp = tmp_path_factory.mktemp("train_prep")
+    return run_prepare(tmp / "run", write_chats(tmp / "chats.jsonl", 16), max_length=128, draft_vocab=512)
+
+
+@pytest.fixture(scope="session")
+def smol_model(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory, smollm2_dir, smol_prep):
+    """A tiny random Llama whose LM-head rows outside the draft vocabulary are zero, so its top-1
+    usually lies inside the vocabulary and every position trains (random heads pick any of 49k)."""
+    from transformers import AutoModelForCausalLM
+
+    from eyas.prepared import Prepared
+
+    out = save_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny", smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight[~Prepared(smol_prep).t2d] = 0
+    model.save_pretrained(str(out))
+    return out
+
+
+# ---------------------------------------------------------------- loss, metrics
+
+
+def test_loss_on_a_hand_built_example():
+    # V = 6 target tokens, draft vocab = target ids [1, 3, 4]; final rows are one-hot, so the
+    # target's logits of row j are column j of the LM head.
+    logits_VN = torch.tensor([[0, 3, 0], [2, 0, 0], [1, 0, 0], [1, 1, 1], [0.5, 2, 4], [-1, 0, 0]], dtype=torch.float64)
+    t2d = torch.tensor([False, True, False, True, True, False])
+    from eyas.vocab import target_to_draft
+
+    p, top1 = teacher_targets(torch.eye(3, dtype=torch.float64), logits_VN, torch.tensor([1, 3, 4]),
+                              target_to_draft(torch.arange(6), t2d), chunk=2)
+    assert top1.tolist() == [0, -1, 2]  # row 1's top-1 is target token 0: outside the draft vocab
+
+    def softmax(z):
+        e = [math.exp(x) for x in z]
+        return [x / sum(e) for x in e]
+
+    teacher = [softmax([2, 1, 0.5]), softmax([0, 1, 2]), softmax([0, 1, 4])]
+    torch.testing.assert_close(p, torch.tensor(teacher, dtype=torch.float32))
+
+    def ce(z, q):  # -sum_w q_w log softmax(z)_w
+        lse = math.log(sum(math.exp(x) for x in z))
+        return -sum(qi * (zi - lse) for zi, qi in zip(z, q))
+
+    z0 = [[1.0, 0, 0], [0, 0, 1.0], [0, 0, 3.0]]  # step 0 drafts rows 0, 1, 2
+    z1 = [[0, 2.0, 0]]  # step 1 drafts row 2 only
+    loss_sum, correct, valid = step_terms([torch.tensor(z0), torch.tensor(z1)], p, top1,
+                                          [torch.tensor([0, 1, 2]), torch.tensor([2])])
+    want0 = ce(z0[0], teacher[0]) + ce(z0[2], teacher[2])  # row 1 is not valid
+    want1 = ce(z1[0], teacher[2])
+    torch.testing.assert_close(loss_sum, torch.tensor([want0, want1]))
+    assert correct.tolist() == [2, 0] and valid.tolist() == [2, 1]
+    loss = weighted_loss(loss_sum, torch.tensor([4, 1]), torch.tensor([1.0, 0.8]))
+    assert loss.item() == pytest.approx(want0 / 4 + 0.8 * want1, rel=1e-6)
+
+
+def test_acceptance_length():
+    assert acceptance_length([0.8, 0.5, 0.25]) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+    assert acceptance_length([0.0, 1.0]) == 1.0
+    assert acceptance_length([1.0] * 7) == 8.0
+
+
+def test_config_errors_name_the_flag(tmp_path):
+    with pytest.raises(ConfigError, match="train.ttt_steps"):
+        train_config(tmp_path, "--train.ttt_steps=0")
+    with pytest.raises(ConfigError, match="train.betas"):
+        train_config(tmp_path, "--train.betas=[0.9]")
+    with pytest.raises(ConfigError, match="did you mean 'train.max_tokens'"):
+        train_config(tmp_path, "--train.max_token=5")
+
+
+# ---------------------------------------------------------------- target tensors
+
+
+def test_embedding_and_head_without_loading_the_model(smollm2_dir, smol_model, tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    from eyas.config.target import TargetConfig
+    from eyas.train.target_weights import load_embed_and_head
+
+    emb, head = load_embed_and_head(TargetConfig(model=str(smollm2_dir)))  # tied
+    assert head is emb
+    torch.testing.assert_close(emb.float(), smol_model.get_input_embeddings().weight)
+    emb, head = load_embed_and_head(TargetConfig(model=str(tiny_target)))  # untied
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+    assert torch.equal(emb, ref.model.embed_tokens.weight) and torch.equal(head, ref.lm_head.weight)
+
+
+# ---------------------------------------------------------------- training
+
+
+def smol_data(prep_dir, model, max_samples: int) -> build.TrainData:
+    from eyas.capture import default_layer_ids
+    from eyas.prepared import Prepared
+
+    prep = Prepared(prep_dir)
+    layer_ids = default_layer_ids(model.config.num_hidden_layers)
+    head = model.get_input_embeddings().weight.detach()  # SmolLM2 ties its LM head to the embedding
+    return build.TrainData(InMemoryStates(prep, model, layer_ids, max_samples), prep.d2t, prep.t2d, layer_ids,
+                           head, head, model.config)
+
+
+@pytest.mark.slow
+def test_tiny_run_on_real_smollm2_states_learns(tmp_path, smol_prep, smol_model):
+    data = smol_data(smol_prep, smol_model, max_samples=10)
+    cfg = train_config(
+        tmp_path, "--train.ttt_steps=3", "--train.num_attention_heads=4", "--train.num_key_value_heads=2",
+        "--train.intermediate_size=256", "--train.max_tokens=256", "--train.epochs=20", "--train.max_steps=30",
+        "--train.lr=3e-3", "--train.warmup_steps=3", "--train.log_every=5", "--train.eval_fraction=0.1",
+        "--train.save_every=0",
+    )
+    meta = run(cfg, data)
+    recs = read_metrics(cfg.stage_dir("train"))
+    first, last = recs[0], recs[-1]
+    assert last["loss"] < 0.7 * first["loss"], [r["loss"] for r in recs]
+    assert last["tau"] > first["tau"] + 0.1, [r["tau"] for r in recs]
+    assert len(last["acc_T"]) == len(last["loss_T"]) == 3 and last["tokens_per_s"] > 0 and last["grad_norm"] > 0
+    assert read_metrics(cfg.stage_dir("train"), "eval")
+    # outputs: final draft (eyas.draft format), meta.json with the final metrics, plots
+    from eyas.artifacts import read_meta
+    from eyas.draft import load_draft
+
+    out = cfg.stage_dir("train")
+    assert read_meta(out, "train")["metrics"]["tau"] == pytest.approx(last["tau"]) == meta["metrics"]["tau"]
+    draft = load_draft(out / "final", data.embed_VD)
+    assert draft.config.aux_layer_ids == [2, 15, 27] and draft.config.draft_vocab_size == 512
+    assert torch.equal(draft.d2t, data.d2t) and torch.equal(draft.t2d, data.t2d)
+    pytest.importorskip("matplotlib")
+    from eyas.cli import main as cli
+
+    assert cli(["plot", str(out)]) == 0
+    assert sorted(p.name for p in (out / "plots").iterdir()) == ["acc.png", "loss.png", "tau.png"]
+
+
+def tiny_cfg(run_dir, prep, target, *extra):
+    return train_config(
+        run_dir, f"--prepare.out_dir={prep}", f"--target.model={target}", "--train.ttt_steps=3",
+        "--train.max_tokens=128", "--train.lr=1e-3", "--train.eval_fraction=0", "--train.log_every=1", *extra,
+    )
+
+
+def first_step(cfg, data):
+    from eyas.train.loop import Schedule, micro_batches, train_step
+
+    train_idx, _ = build.splits(cfg, data)
+    sched = Schedule(cfg.train, train_idx, data.lengths, cfg.seed, 0, 1)
+    tr, _ = build.build_trainer(cfg, data, torch.device("cpu"), total_steps=sched.total)
+    step, _, batches = next(micro_batches(tr, sched, data.source, 0, 0, 0))
+    out = train_step(tr, batches, step)
+    return out, [b.sample_ids for b in batches], torch.cat([p.detach().flatten() for p in tr.draft.parameters()])
+
+
+def test_offline_equals_online_for_one_step(tmp_path, smol_prep, tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    from eyas.prepared import Prepared
+    from eyas.train.target_weights import load_embed_and_head
+
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.grad_accum=2")
+    online = build.load_data(cfg, torch.device("cpu"))  # the target captures states per batch
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
+    prep = Prepared(smol_prep)
+    emb, head = load_embed_and_head(cfg.target)
+    offline = build.TrainData(InMemoryStates(prep, model, online.layer_ids), prep.d2t, prep.t2d, online.layer_ids,
+                              emb, head, online.target_config)
+    out_on, ids_on, params_on = first_step(cfg, online)
+    out_off, ids_off, params_off = first_step(cfg, offline)
+    assert ids_on == ids_off and len(ids_on) == 2
+    assert out_on["valid_T"].sum() > 50
+    for key in ("loss_sum_T", "grad_norm"):
+        torch.testing.assert_close(out_on[key], out_off[key], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out_on["correct_T"], out_off["correct_T"])
+    torch.testing.assert_close(params_on, params_off, rtol=1e-5, atol=1e-6)
+
+
+def test_offline_from_extract_shards_equals_online(tmp_path, smol_prep, tiny_target):
+    """The whole offline path (`eyas extract` shards read through HiddenStates) against online."""
+    from eyas.extract import main as extract
+
+    extract(train_config(tmp_path, f"--prepare.out_dir={smol_prep}", f"--target.model={tiny_target}",
+                         "--extract.progress=false"))
+    losses = {}
+    for mode in ("offline", "online"):
+        cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, f"--train.mode={mode}", f"--train.out_dir={tmp_path / mode}",
+                       "--train.max_steps=2", "--train.max_tokens=256")
+        meta = run(cfg)
+        assert meta["config"]["train"]["mode"] == mode and ("extract" in meta["inputs"]) == (mode == "offline")
+        losses[mode] = [r["loss"] for r in read_metrics(tmp_path / mode)]
+    assert len(losses["offline"]) == 2
+    assert losses["offline"] == pytest.approx(losses["online"], rel=1e-5)
+
+
+def test_non_finite_loss_stops_with_step_samples_and_term(tmp_path, smol_prep, tiny_target):
+    from eyas.train.loop import TrainingDiverged
+
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_tokens=4096")
+    data = build.load_data(cfg, torch.device("cpu"))
+    bad = data.source[3]["id"]
+    states = data.states
+
+    def poisoned(batch):  # the target "produces" NaN states for one sample
+        batch = states(batch)
+        start = 0
+        for sid, n in zip(batch.sample_ids, batch.lengths):
+            if sid == bad:
+                batch.aux_BSKD[0, start : start + n] = float("nan")
+            start += n
+        return batch
+
+    data.states = poisoned
+    with pytest.raises(TrainingDiverged, match=r"step 0: non-finite loss of TTT step 0.*" + bad):
+        run(cfg, data)
+    rec = json.loads((cfg.stage_dir("train") / "errors.jsonl").read_text().splitlines()[-1])
+    assert rec["type"].endswith("TrainingDiverged") and "Traceback" in rec["traceback"]
+
+
+def test_an_existing_run_needs_resume(tmp_path, smol_prep, tiny_target):
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=2")
+    run(cfg)
+    with pytest.raises(ConfigError, match="--resume auto"):
+        run(cfg)
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_continues_the_same_loss_curve(tmp_path, smol_prep, tiny_target):
+    args = [f"--prepare.out_dir={smol_prep}", f"--target.model={tiny_target}", "--train.mode=online",
+            "--train.ttt_steps=3", "--train.max_tokens=128", "--train.lr=1e-3", "--train.eval_fraction=0",
+            "--train.log_every=1", "--train.save_every=4", "--train.epochs=50", "--train.max_steps=36"]
+    ref_cfg = train_config(tmp_path / "ref", *args)
+    run(ref_cfg)
+    ref = read_metrics(ref_cfg.stage_dir("train"))
+    assert [r["step"] for r in ref] == list(range(1, 37))
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "eyas.cli", "train", f"--run_dir={tmp_path / 'run'}", *args]
+    train_dir = tmp_path / "run" / "train"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while not (train_dir / "checkpoints" / "step_0000008").is_dir():
+        assert proc.poll() is None, proc.stdout.read().decode()
+        assert time.time() < deadline, "no checkpoint within 120 s"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not (train_dir / "meta.json").exists()
+    killed_at = max(r["step"] for r in read_metrics(train_dir))
+    assert killed_at < 36
+
+    res = subprocess.run(cmd + ["--resume", "auto"], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "resuming from" in res.stdout
+    got = read_metrics(train_dir)
+    assert [r["step"] for r in got] == list(range(1, 37))
+    for a, b in zip(got, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-6), (a["step"], a["loss"], b["loss"])
+        assert a["acc_T"] == pytest.approx(b["acc_T"], abs=1e-9) and a["lr"] == pytest.approx(b["lr"], rel=1e-9)
+    assert (train_dir / "final" / "draft.safetensors").is_file()

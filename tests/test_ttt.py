@@ -1,0 +1,116 @@
+"""Training-time test: the all-positions unroll against a literal per-position autoregressive loop.
+
+`naive_ttt` runs the draft the way vLLM / SGLang serve it (prefill rows 0..t, then one token at a
+time at positions t+1, t+2, ... with an ordinary KV cache); the batched unroll must reproduce
+every (step, row) output of every packed sample.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.train.data import pack
+from eyas.train.ttt import naive_ttt, sdpa_masks, shift_left, ttt_forward, ttt_mask_mod
+from train_helpers import one_thread  # noqa: F401  (autouse fixture)
+
+
+def make_draft(norm_before_residual=False, seed=0) -> Eagle3Draft:
+    cfg = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
+                      target_hidden_size=24, num_aux_layers=3, draft_vocab_size=30, vocab_size=60, rope_theta=10000.0,
+                      norm_before_residual=norm_before_residual)
+    torch.manual_seed(seed)
+    m = Eagle3Draft(cfg, torch.randn(60, 32)).double()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return m
+
+
+def make_samples(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        dict(input_ids=torch.randint(0, 60, (L,), generator=g), loss_mask=(torch.rand(L, generator=g) < 0.7).long(),
+             aux=torch.randn(L, 3, 24, generator=g, dtype=torch.float64), final=torch.randn(L, 24, generator=g),
+             id=f"s{j}", index=j)
+        for j, L in enumerate(lengths)
+    ]
+
+
+@pytest.mark.parametrize("num_steps,nbr", [(7, False), (3, True)])
+def test_ttt_matches_the_naive_autoregressive_loop(num_steps, nbr):
+    m = make_draft(nbr)
+    samples = make_samples([9, 4, 10])
+    b = pack(samples, num_steps, max_tokens=100, pad_multiple=16)
+    assert b.input_ids_BS.shape == (1, 32)
+    outs = ttt_forward(m, b.aux_BSKD, b.input_ids_BS, b.pos_BS, sdpa_masks(b.doc_BS, num_steps))
+    assert len(outs) == num_steps
+    start = 0
+    for smp in samples:
+        L = smp["input_ids"].numel()
+        ref_TSD = naive_ttt(m, smp["aux"], smp["input_ids"], num_steps)
+        for i in range(num_steps):
+            rows = max(0, L - 1 - i)  # rows whose step-i input token exists
+            torch.testing.assert_close(outs[i][0, start : start + rows], ref_TSD[i, :rows], rtol=1e-9, atol=1e-9)
+        start += L
+
+
+def test_sdpa_masks_are_the_figure_6_pattern():
+    doc = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    masks = sdpa_masks(doc, 3)
+    s = 6
+    for i, m in enumerate(masks):
+        assert m.shape == (1, s, (i + 1) * s)
+        for q in range(s):
+            for kv in range((i + 1) * s):
+                blk, r = divmod(kv, s)
+                want = (r <= q and doc[0, r] == doc[0, q]) if blk == 0 else r == q
+                assert bool(m[0, q, kv]) == want, (i, q, kv)
+
+
+def test_flex_block_masks_match_sdpa():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    s = 128
+    doc = torch.tensor([[0] * 50 + [1] * 60 + [-1] * 18])
+    dense = sdpa_masks(doc, 3)
+    mod = ttt_mask_mod(doc, s)
+    for i in (0, 2):
+        q_idx, kv_idx = torch.arange(s)[:, None], torch.arange((i + 1) * s)[None, :]
+        assert torch.equal(mod(0, 0, q_idx, kv_idx), dense[i][0])
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, s, 8), torch.randn(1, 2, 3 * s, 8), torch.randn(1, 2, 3 * s, 8)
+    bm = create_block_mask(mod, 1, None, s, 3 * s, device="cpu", _compile=False)
+    with pytest.warns(UserWarning):  # eager flex on CPU: the unfused reference path
+        out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=dense[2][:, None])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gather_indices_align_rows_teacher_and_mask():
+    samples = make_samples([9, 3, 12], seed=1)
+    T = 4
+    b = pack(samples, T, max_tokens=100, pad_multiple=8)
+    mask, doc = b.loss_mask_BS[0], b.doc_BS[0]
+    s = doc.numel()
+    assert sorted(b.teacher_rows_N.tolist()) == b.teacher_rows_N.tolist()
+    for i in range(T):
+        want = [t for t in range(s - 2 - i) if doc[t] >= 0 and doc[t + 2 + i] == doc[t] and mask[t + 2 + i] == 1]
+        assert b.rows_T[i].tolist() == want
+        assert (b.teacher_rows_N[b.tix_T[i]] == b.rows_T[i] + 1 + i).all()
+    # the step-i input token of a trained row is the token right before the predicted one
+    ids = b.input_ids_BS
+    for i in range(T):
+        shifted = shift_left(ids, 1 + i, 0)[0]
+        for t in b.rows_T[i].tolist():
+            assert shifted[t] == ids[0, t + 1 + i]
+
+
+def test_pack_positions_restart_per_sample_and_truncate():
+    samples = make_samples([5, 7])
+    b = pack(samples, 2, max_tokens=6, pad_multiple=0)
+    assert b.lengths == [5, 6]
+    assert b.pos_BS[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]
+    assert b.doc_BS[0].tolist() == [0] * 5 + [1] * 6
+    torch.testing.assert_close(b.aux_BSKD[0, 5:], samples[1]["aux"][:6])
