@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 
 from eyas import artifacts
 from eyas.config import EyasConfig, to_dict
-from eyas.errors import ArtifactError
+from eyas.errors import ArtifactError, EyasError
 
 ORDER = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
 MODULES = {
@@ -46,25 +47,49 @@ SECTIONS = {
 }
 
 
-def stage_plan(cfg: EyasConfig) -> tuple[EyasConfig, list[str]]:
-    """The stages to run and the config they see (prepare reads regenerate's output when enabled)."""
-    cfg = copy.deepcopy(cfg)
+def stage_plan(cfg: EyasConfig) -> tuple[dict[str, EyasConfig], list[str]]:
+    """The stages to run and the config each sees: with regenerate enabled, regenerate reads
+    `prepare.data` and every later stage sees prepare reading regenerate's conversations."""
     stages = [s for s in ORDER if s != "regenerate" or cfg.regenerate.enabled]
+    later = copy.deepcopy(cfg)
     if cfg.regenerate.enabled:
-        cfg.prepare.data = str(cfg.stage_dir("regenerate") / "conversations.jsonl")
-        cfg.prepare.format = "openai"
-    return cfg, stages
+        later.prepare.data = str(cfg.stage_dir("regenerate") / "conversations.jsonl")
+        later.prepare.format = "openai"
+    return {s: cfg if s == "regenerate" else later for s in stages}, stages
 
 
-def run_keys(cfg: EyasConfig, stages: list[str]) -> dict[str, str]:
+def run_keys(configs: dict[str, EyasConfig], stages: list[str]) -> dict[str, str]:
     keys, prev = {}, ""
     for s in stages:
-        sections = {name: to_dict(getattr(cfg, name)) for name in SECTIONS[s]}
+        sections = {name: to_dict(getattr(configs[s], name)) for name in SECTIONS[s]}
         if s == "regenerate":  # regenerate reads only the data fields of prepare
             p = sections["prepare"]
             sections["prepare"] = {k: p[k] for k in ("data", "format", "max_conversations", "system_prompt")}
         keys[s] = prev = artifacts.hash_json({"stage": s, "sections": sections, "previous": prev})
     return keys
+
+
+MARKER = "run_key.txt"
+
+
+def claim_stage_dir(stage: str, out: Path, key: str) -> bool:
+    """Make `out` ready for a run of `stage` with `key`; True when an interrupted run with the
+    same key is there to resume. A complete or partial output made by `eyas run` with other
+    settings is removed (its config changed); a non-empty directory `eyas run` did not make is
+    never touched."""
+    marker = out / MARKER
+    if out.exists() and any(out.iterdir()):
+        if not marker.is_file():
+            raise EyasError(
+                f"{out} is not empty and was not made by `eyas run`: remove it or point --{stage}.out_dir elsewhere"
+            )
+        if marker.read_text().strip() == key:
+            return True
+        print(f"[eyas:run] {stage}: removing {out} (made with other settings)", flush=True)
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    artifacts.atomic_write_text(marker, key)
+    return False
 
 
 def up_to_date(stage_dir: Path, stage: str, key: str) -> bool:
@@ -107,8 +132,9 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
 
 
 def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
-    cfg, stages = stage_plan(cfg)
-    keys = run_keys(cfg, stages)
+    configs, stages = stage_plan(cfg)
+    keys = run_keys(configs, stages)
+    cfg = configs[stages[-1]]
     print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
     record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
     for s in stages:
@@ -118,9 +144,14 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
             meta = artifacts.read_meta(out, s)
             record["stages"][s] = {"status": "skipped", "dir": str(out), **_throughput(s, meta), "wall_s": meta.get("run_wall_s")}
             continue
-        print(f"[eyas:run] {s}: running -> {out}", flush=True)
+        resuming = claim_stage_dir(s, out, keys[s])
+        print(f"[eyas:run] {s}: {'resuming' if resuming else 'running'} -> {out}", flush=True)
+        stage_cfg = configs[s]
+        if s == "train" and resuming and not stage_cfg.train.resume:
+            stage_cfg = copy.deepcopy(stage_cfg)
+            stage_cfg.train.resume = "auto"
         t0 = time.perf_counter()
-        importlib.import_module(MODULES[s]).main(cfg)
+        importlib.import_module(MODULES[s]).main(stage_cfg)
         wall = time.perf_counter() - t0
         meta = artifacts.read_meta(out, s)  # a stage that wrote no complete meta.json is an error
         meta["run_key"] = keys[s]
@@ -136,9 +167,14 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
 
 
 def _throughput(stage: str, meta: dict[str, Any]) -> dict[str, Any]:
-    counts = meta.get("counts") or meta.get("summary") or {}
-    tps = counts.get("tokens_per_s", meta.get("tokens_per_s"))
-    return {"tokens_per_s": tps} if tps is not None else {}
+    """The tokens/s a stage measured itself (model loading excluded), where it reports one."""
+    counts = meta.get("counts") or {}
+    tps = {
+        "regenerate": counts.get("tokens_per_s"),
+        "extract": (counts.get("this_run") or {}).get("tokens_per_s"),
+        "train": (meta.get("metrics") or {}).get("tokens_per_s"),
+    }.get(stage)
+    return {"tokens_per_s": tps} if tps else {}
 
 
 def _plot(cfg: EyasConfig) -> None:
@@ -170,8 +206,8 @@ def print_summary(rec: dict[str, Any]) -> None:
     if "tau_chain" in rec:
         lines.append(f"  tau chain   {rec['tau_chain']}")
         lines.append(f"  tau tree    {rec['tau_tree']}")
-        acc = rec.get("acceptance_per_position") or []
-        lines.append("  acceptance  " + " ".join(f"{a:.2f}" for a in acc if isinstance(a, (int, float))))
+        acc = [a["conditional"] if isinstance(a, dict) else a for a in rec.get("acceptance_per_position") or []]
+        lines.append("  acceptance  " + " ".join(f"{a:.2f}" for a in acc) + "   (P(accept | reached) per draft position)")
         lines.append(f"  lossless    {rec['lossless']}")
-        lines.append(f"  speedup     {rec['speedup']}")
+        lines.append(f"  speedup     {rec['speedup']:.2f}x" if rec.get("speedup") else f"  speedup     {rec.get('speedup')}")
     print("\n".join(lines), flush=True)

@@ -1,0 +1,76 @@
+"""`eyas run`: every stage end to end on a tiny slice (real ShareGPT records, the real SmolLM2
+tokenizer and chat template, a tiny random-weight Llama target), then the skip logic: an unchanged
+second run skips every stage; a changed training key re-runs train, export and evaluate only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eyas.cli import main as cli
+from extract_helpers import save_tiny
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def recipe(tmp_path, target):
+    y = tmp_path / "recipe.yaml"
+    y.write_text(f"""# eyas run {y}
+run_dir: {tmp_path / 'run'}
+target: {{model: {target}, dtype: float32}}
+regenerate: {{enabled: true, max_new_tokens: 8, max_prompt_tokens: 192, batch_size: 8}}
+prepare: {{max_conversations: 8, max_length: 128, draft_vocab_size: 500}}
+extract: {{verify: 2}}
+train: {{max_steps: 3, ttt_steps: 2, max_tokens: 512, log_every: 1, eval_fraction: 0.0}}
+evaluate: {{num_questions: 1, max_new_tokens: 8, mode: both, num_draft_tokens: 3, tree_total_tokens: 8, tree_depth: 3, tree_top_k: 2}}
+""")
+    return y
+
+
+def stages_line(out: str) -> dict[str, str]:
+    status = {}
+    for line in out.splitlines():
+        if line.startswith("[eyas:run] ") and ":" in line[11:]:
+            stage, rest = line[11:].split(":", 1)
+            if "skipped" in rest:
+                status[stage] = "skipped"
+            elif rest.strip().startswith(("running", "resuming")):
+                status[stage] = "ran"
+    return status
+
+
+@pytest.mark.slow
+def test_run_end_to_end_then_skips(tmp_path, smollm2_dir, capsys):
+    target = save_tiny("llama", tmp_path / "tiny", smollm2_dir)
+    y = recipe(tmp_path, target)
+    run = tmp_path / "run"
+    assert cli(["run", str(y)]) == 0
+    out = capsys.readouterr().out
+    everything = ["regenerate", "prepare", "extract", "train", "export", "evaluate"]
+    assert stages_line(out) == {s: "ran" for s in everything}
+    summary = json.loads((run / "summary.json").read_text())
+    assert list(summary["stages"]) == everything
+    assert summary["lossless"] is True and summary["tau_chain"] >= 1.0 and summary["tau_tree"] >= 1.0
+    assert summary["stages"]["extract"]["tokens_per_s"] > 0 and summary["stages"]["train"]["tokens_per_s"] > 0
+    for s in everything:
+        assert json.loads((run / s / "meta.json").read_text())["run_key"]
+    assert (run / "export" / "sglang" / "config.json").is_file() and (run / "export" / "speculators" / "config.json").is_file()
+    assert (run / "train" / "plots").is_dir() and (run / "run.log").stat().st_size > 0
+    # prepare read the regenerated conversations
+    assert json.loads((run / "prepare" / "meta.json").read_text())["config"]["prepare"]["data"].endswith("conversations.jsonl")
+
+    assert cli(["run", str(y)]) == 0
+    assert stages_line(capsys.readouterr().out) == {s: "skipped" for s in everything}
+
+    assert cli(["run", str(y), "--train.lr=2e-4"]) == 0
+    status = stages_line(capsys.readouterr().out)
+    assert status == {"regenerate": "skipped", "prepare": "skipped", "extract": "skipped",
+                      "train": "ran", "export": "ran", "evaluate": "ran"}
