@@ -21,7 +21,7 @@ $(VENV)/.eyas-installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(VENV)/bin/eyas prepare recipes/demo-cpu.yaml
+	$(VENV)/bin/eyas run recipes/demo-cpu.yaml
 
 test: setup
 	$(PY) -m pytest -q -rs

@@ -163,6 +163,8 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
     record.update(_evaluation(cfg.stage_dir("evaluate")) if "evaluate" in stages else {})
     artifacts.atomic_write_json(run_dir / "summary.json", record)
     print_summary(record)
+    if cfg.note:
+        print(f"[eyas:run] note: {cfg.note}", flush=True)
     return record
 
 

@@ -34,6 +34,8 @@ class EyasConfig:
     """Directory holding one subdirectory per stage (prepare/, extract/, ...)."""
     seed: int = 0
     """Seed for every random choice (shuffles, splits, initialisation, sampling)."""
+    note: str = ""
+    """A note `eyas run` prints with its summary (what the recipe is for, what it is not)."""
     target: TargetConfig = field(default_factory=TargetConfig)
     """The target model every stage works for."""
     prepare: PrepareConfig = field(default_factory=PrepareConfig)

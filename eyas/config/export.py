@@ -2,8 +2,48 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eyas.config.base import require
+
+FORMATS = ("sglang", "speculators", "both")
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+
 
 @dataclass
 class ExportConfig:
+    train_dir: str = ""
+    """The train stage output to export (its `final/` checkpoint is read), or an eyas draft
+    checkpoint directory itself (holding draft.safetensors + draft_config.json); empty = RUN_DIR/train."""
+    checkpoint: str = "final"
+    """Subdirectory of train_dir holding the checkpoint to export (e.g. final, step_2000)."""
+    format: str = "both"
+    """sglang (EAGLE-3 reference layout, also served by vLLM), speculators (the layout `vllm serve DIR`
+    recognises on its own) or both; each is written to OUT/<format>/."""
+    dtype: str = "bfloat16"
+    """dtype of the exported floating-point tensors: bfloat16, float16 or float32 (d2t stays int64,
+    t2d bool)."""
+    num_speculative_tokens: int = 3
+    """Draft tokens per step recorded in the speculators config (vLLM's default when the serve command
+    does not say)."""
+    prepare_dir: str = ""
+    """Prepare output the draft was trained on, checked against the draft's vocabulary mapping;
+    empty = RUN_DIR/prepare (skipped with a note when absent)."""
+    extract_dir: str = ""
+    """Extract output the draft was trained on, checked against the draft's aux layer ids and target;
+    empty = RUN_DIR/extract (skipped with a note when absent)."""
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/export."""
+
+    def __post_init__(self) -> None:
+        require(self.format in FORMATS, f"export.format={self.format!r}: choose one of {', '.join(FORMATS)}")
+        require(
+            self.dtype in EXPORT_DTYPES, f"export.dtype={self.dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}"
+        )
+        require(bool(self.checkpoint), "export.checkpoint is empty: name the checkpoint subdirectory (e.g. final)")
+        require(
+            1 <= self.num_speculative_tokens <= 64,
+            f"export.num_speculative_tokens={self.num_speculative_tokens} must lie in [1, 64]",
+        )
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return ("sglang", "speculators") if self.format == "both" else (self.format,)

