@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: setup demo test test-fast clean-venv
+.PHONY: setup vllm-venv demo test test-fast clean-venv
 
 setup: $(VENV)/.eyas-installed
 
@@ -23,7 +23,11 @@ $(VENV)/.eyas-installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/eyas run recipes/demo-cpu.yaml
 
-test: setup
+# vLLM (CPU build) lives in its own venv (.venv-vllm): tests/test_vllm.py serves exported drafts in it.
+vllm-venv:
+	scripts/vllm-venv.sh
+
+test: setup vllm-venv
 	$(PY) -m pytest -q -rs
 
 test-fast: setup

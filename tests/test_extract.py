@@ -125,6 +125,33 @@ def test_same_sample_same_states_alone_padded_or_packed(arch):
                 torch.testing.assert_close(part, alone[i], rtol=1e-4, atol=1e-5)
 
 
+def test_compiled_layers_same_states_and_eager_reference():
+    """HFBackend(compile=True): hooks still see every layer, padded and packed batches give the eager
+    states, the parity reference runs the eager layers, close() gives the model back untouched.
+    Dynamo's `eager` backend checks the wiring on CPU in seconds; inductor is measured by the bench."""
+    model = tiny_model("llama")
+    eager = HFBackend(model, [1, 3, 6], torch.float32)
+    lengths = [23, 9, 17, 4]
+    tokens = [torch.randint(0, 5000, (n,)) for n in lengths]
+    alone = [eager.forward(plan.Batch([i], [n], 1, n, False), [tokens[i]]) for i, n in enumerate(lengths)]
+    compiled = HFBackend(model, [1, 3, 6], torch.float32, compile=True, compile_backend="eager")
+    layers = compiled.capture.layers
+    assert all("forward" in layer.__dict__ for layer in layers)
+    for pack in (False, True):
+        for order in ([0, 1, 2, 3], [3, 1], [2]):
+            lens = [lengths[i] for i in order]
+            batch = plan.Batch(order, lens, 1 if pack else len(order), sum(lens) if pack else max(lens), pack)
+            for part, i in zip(compiled.forward(batch, [tokens[i] for i in order]).split(lens), order):
+                torch.testing.assert_close(part, alone[i], rtol=1e-4, atol=1e-5)
+    seen = []
+    hook = layers[0].register_forward_pre_hook(lambda m, a: seen.append("forward" in m.__dict__))
+    torch.testing.assert_close(compiled.reference(tokens[0]), alone[0], rtol=1e-4, atol=1e-5)
+    hook.remove()
+    assert seen == [False] and all("forward" in layer.__dict__ for layer in layers)
+    compiled.close()
+    assert not any("forward" in layer.__dict__ for layer in layers)
+
+
 # ---------------------------------------------------------------- end to end, parity per architecture
 
 
@@ -226,6 +253,49 @@ def test_corrupt_shard_is_named_and_reextracted(tmp_path, prep, tiny_dirs):
     hs.verify()
     assert hs.indices == list(range(12))
     check_against_capture(hs, model, [5])
+
+
+def test_disk_error_in_one_writer_thread_stops_the_run_and_resume_completes(tmp_path, prep, tiny_dirs, monkeypatch):
+    """Two writer threads, one shard each at a time: a write failing on one of them stops the run with
+    that error, leaves no temp file, and the same command then extracts exactly what is missing."""
+    from eyas.extract import store
+
+    model = tiny_dirs("llama")
+    real, calls = store.ShardWriter.write_states, []
+
+    def flaky(self, states_TKD):
+        calls.append(self.path.name)
+        if len(calls) == 4:
+            raise OSError(28, "No space left on device")
+        real(self, states_TKD)
+
+    monkeypatch.setattr(store.ShardWriter, "write_states", flaky)
+    args = ("--extract.token_budget=128", "--extract.shard_bytes=1")  # one batch per shard
+    with pytest.raises(EyasError, match="No space left on device"):
+        run_extract(tmp_path, prep, model, *args)
+    assert len(set(calls)) >= 2  # shards were being written by both threads
+    assert not list((tmp_path / "extract" / "shards").glob("*.tmp"))
+    assert not (tmp_path / "extract" / "meta.json").exists()
+    monkeypatch.undo()
+    assert run_extract(tmp_path, prep, model, *args) == 0
+    hs = HiddenStates(tmp_path / "extract")
+    hs.verify()
+    assert hs.indices == list(range(len(Prepared(prep))))
+    check_against_capture(hs, model, [0, len(hs) - 1])
+
+
+def test_phase_timer_times_the_loop_on_cpu(tmp_path, prep, tiny_dirs, monkeypatch):
+    from functools import partial
+
+    from eyas.extract.profile import PhaseTimer
+
+    timer = PhaseTimer(torch.device("cpu"))
+    monkeypatch.setattr(extract, "extract_rank", partial(extract.extract_rank, timer=timer))
+    assert run_extract(tmp_path, prep, tiny_dirs("llama"), "--extract.max_samples=6") == 0
+    prof = timer.summary()
+    for phase in ("smoke test", "forward", "capture (stack, gather, cast)", "parity check", "writers: hash + write",
+                  "writers: close (tail, fsync, rename, journal)"):
+        assert prof[phase]["n"] >= 1 and prof[phase]["s"] >= 0, phase
 
 
 # ---------------------------------------------------------------- failures are never silent
