@@ -75,12 +75,14 @@ class HFBackend:
         for b in range(0, len(order), self.rc.batch_size):
             idx = order[b : b + self.rc.batch_size]
             width = max(len(prompts_ids[i]) for i in idx)
-            if self.static:  # few distinct shapes -> few compilations
-                width = -(-width // 128) * 128
-            ids = torch.full((len(idx), width), self.pad, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
-            for row, i in enumerate(idx):  # left padding: generation continues from the right edge
-                p = prompts_ids[i]
+            rows = len(idx)
+            if self.static:  # every compiled shape costs ~40 s: few widths, always full batches
+                width = max(256, 1 << (width - 1).bit_length())
+                rows = self.rc.batch_size
+            ids = torch.full((rows, width), self.pad, dtype=torch.long)
+            mask = torch.zeros((rows, width), dtype=torch.long)
+            for row in range(rows):  # left padding: generation continues from the right edge
+                p = prompts_ids[idx[min(row, len(idx) - 1)]]  # filler rows repeat the last prompt
                 ids[row, width - len(p) :] = torch.tensor(p)
                 mask[row, width - len(p) :] = 1
             kw: dict[str, Any] = dict(
