@@ -24,8 +24,11 @@ from eyas.spec.tree import Tree, select_nodes
 
 
 def to_target_ids(draft, draft_ids: torch.Tensor) -> torch.Tensor:
-    """target id = d + d2t[d] (eyas.vocab's convention, shared with vLLM / SGLang)."""
-    return draft_ids + draft.d2t[draft_ids]
+    """target id = d + d2t[d] (eyas.vocab's convention, shared with vLLM / SGLang).
+
+    A gather, not `d2t[d]`: indexing with a 0-d tensor (a chain's argmax or sample) calls .item(),
+    a host sync per draft token."""
+    return draft_ids + draft.d2t.index_select(0, draft_ids.reshape(-1)).view(draft_ids.shape)
 
 
 def extend(
