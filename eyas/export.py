@@ -157,6 +157,12 @@ def check_aux_ids(hf_ids: list[int], num_target_layers: int, formats: tuple[str,
             f"{num_target_layers} layers (HF index {num_target_layers} is after the final norm, which no "
             "engine captures): re-run `eyas extract` with --extract.layer_ids inside that range, then train"
         )
+    if list(hf_ids) != sorted(set(hf_ids)):
+        raise ArtifactError(
+            f"aux_layer_ids {hf_ids} are not strictly ascending: vLLM and SGLang collect the aux states "
+            "while walking the layers, so the served fc input is always in ascending layer order and this "
+            "draft would serve at tau~1; re-run `eyas extract` and `eyas train` with ascending --extract.layer_ids"
+        )
     if "sglang" in formats and min(hf_ids) < 1:
         raise ArtifactError(
             f"aux_layer_ids {hf_ids}: SGLang cannot capture HF index 0 (the embeddings; its id would be -1): "

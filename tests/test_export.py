@@ -263,6 +263,12 @@ def test_aux_ids_outside_the_capturable_range_are_refused(tcfg, tmp_path):
         export(random_draft(tcfg, aux_layer_ids=[2, 15, 30]), tmp_path)
 
 
+def test_aux_ids_not_ascending_are_refused(tcfg, tmp_path):
+    # the engines fill fc's input in layer order: a draft trained on [27, 15, 2] serves at tau~1
+    with pytest.raises(ArtifactError, match="not strictly ascending"):
+        export(random_draft(tcfg, aux_layer_ids=[27, 15, 2]), tmp_path)
+
+
 # --- refusals against the stages the draft came from ---------------------------------------------
 
 
