@@ -63,6 +63,13 @@ def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
             f"extract.layer_ids={list(layer_ids)}: ids must lie in [0, {num_layers - 1}] for a target with "
             f"{num_layers} layers (id k = the hidden state entering layer k; the final-norm state is always stored)"
         )
+    if list(layer_ids) != sorted(set(layer_ids)):
+        # vLLM and SGLang collect the aux states while walking the layers, so the draft's fc always
+        # sees them in ascending layer order whatever order the config lists: train in that order
+        raise ConfigError(
+            f"extract.layer_ids={list(layer_ids)}: list the ids in ascending order without repeats "
+            f"({sorted(set(layer_ids))}); serving engines feed the draft its aux states in layer order"
+        )
     return list(layer_ids)
 
 

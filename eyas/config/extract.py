@@ -49,6 +49,9 @@ class ExtractConfig:
     """Batches in flight between the GPU and the background writer (each holds one pinned host buffer)."""
     progress: bool = True
     """Show a tqdm progress bar on rank 0."""
+    compile: bool = False
+    """torch.compile the decoder layers (inductor, dynamic shapes; a minute or two of compiling at the
+    start). The parity check compares against the eager layers, so it also checks the compiler."""
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/extract."""
 

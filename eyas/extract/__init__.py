@@ -17,8 +17,10 @@ How it runs:
   estimate `tokens x (K+1) x D x bytes`, which is printed. A **smoke test** right after loading
   sends one sample through the whole capture path (shape, dtype, finiteness).
 * **Batches** by token budget over the longest-first order (plan.py), right-padded without a mask
-  or packed (backend.py says why that is exact). Device->host copies go to pinned buffers on a side
-  stream and a background thread writes the shards (writer.py): the GPU waits only on a slow disk.
+  or packed (backend.py says why that is exact). Device->host copies go to a pool of pinned buffers
+  on a side stream and two background threads hash and write the shards, fsyncs overlapping the
+  next writes (writer.py): the GPU waits only on a slow disk. `HFBackend(compile=True)` compiles
+  the decoder layers (backend.py).
   Weights and activations in bf16 on GPU, fp32 on CPU (`target.dtype`), stored as `extract.store_dtype`.
 * **Parity**: every sample of the first batch, and `extract.verify` more spread over the run, is
   compared with a plain batch-1 `model.model(..., output_hidden_states=True)` (no hooks); a
@@ -55,6 +57,7 @@ from eyas.config import EyasConfig, dump_config, to_dict
 from eyas.errors import ConfigError, DataError, EyasError, exception_message, record_error
 from eyas.extract import plan, store
 from eyas.extract.backend import HFBackend, check_parity, default_tolerance
+from eyas.extract.profile import NULL_TIMER, NullTimer
 from eyas.extract.writer import Failures, HostCopier, Writer
 from eyas.prepared import Prepared
 from eyas.target import (describe_target, load_config, load_model, load_tokenizer, model_path, resolve_dtype,
@@ -166,7 +169,7 @@ def make_backend(cfg: EyasConfig, setup: Setup, device: torch.device):
     model = load_model(cfg.target, device=None if cfg.extract.device_map else device,
                        device_map=cfg.extract.device_map or None,
                        attn_implementation=cfg.extract.attn_implementation or None)
-    return HFBackend(model, setup.layer_ids, setup.store_dtype)
+    return HFBackend(model, setup.layer_ids, setup.store_dtype, compile=cfg.extract.compile)
 
 
 def smoke_test(backend, setup: Setup, index: int, rank: int) -> None:
@@ -189,11 +192,12 @@ def smoke_test(backend, setup: Setup, index: int, rank: int) -> None:
                         "the target or its dtype (--target.dtype) is not usable as is")
 
 
-def forward_batch(backend, batch: plan.Batch, tokens: list[torch.Tensor], failures: Failures):
+def forward_batch(backend, batch: plan.Batch, tokens: list[torch.Tensor], failures: Failures,
+                  timer: NullTimer = NULL_TIMER):
     """-> (states_TKD, failed indices). A failing batch is recorded; with failures allowed it is
     retried sample by sample and the samples that fail again get zero rows (left out of the index)."""
     try:
-        return backend.forward(batch, tokens), []
+        return backend.forward(batch, tokens, timer=timer), []
     except Exception as e:  # recorded with type, message, traceback; raised on unless failures are allowed
         failures.record(e, batch.indices, count=failures.limit == 0, retry="per sample")
     parts, failed = [], []
@@ -213,8 +217,10 @@ def forward_batch(backend, batch: plan.Batch, tokens: list[torch.Tensor], failur
     return torch.cat(parts), failed
 
 
-def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: int) -> dict[str, Any]:
-    """This rank's share of the remaining samples -> shards; -> its summary."""
+def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: int,
+                 timer: NullTimer = NULL_TIMER) -> dict[str, Any]:
+    """This rank's share of the remaining samples -> shards; -> its summary. `timer` (bench/extract.py
+    --profile) times each phase; the stage runs with NULL_TIMER."""
     ec, lengths = cfg.extract, setup.prepared.lengths
     mine = plan.rank_slice(setup.remaining, lengths, rank, world_size)
     batches = plan.make_batches(mine, lengths, ec.token_budget, ec.max_batch_size, ec.pack)
@@ -225,41 +231,54 @@ def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: 
     if not batches:
         return summary
     t0 = time.perf_counter()
-    smoke_test(backend, setup, mine[-1], rank)
-    tol = ec.parity_tol or max(default_tolerance(setup.compute_dtype), default_tolerance(setup.store_dtype))
-    later = [i for b in batches[1:] for i in b.indices]
-    verify = set(batches[0].indices) | {later[round(j * (len(later) - 1) / max(ec.verify - 1, 1))]
-                                         for j in range(min(ec.verify, len(later)))}
     numbers = [int(e["shard"].split("-")[-1].split(".")[0]) for e in setup.entries if e["rank"] == rank]
     failures = Failures(ec.max_failures, setup.out / "errors.jsonl", rank, setup.prepared.ids)
     copier = HostCopier(max(b.num_tokens for b in batches), len(setup.layer_ids) + 1, setup.hidden,
                         setup.store_dtype, ec.writer_queue, check=lambda: writer.check())
     writer = Writer(setup.out, rank, max(numbers, default=-1) + 1, shards, setup.prepared,
                     len(setup.layer_ids) + 1, setup.hidden, setup.store_dtype, copier, failures)
+    if backend.device.type == "cuda":
+        copier.start()  # pins the host buffers while the smoke test and the first batch run
+    with timer.gpu("smoke test"):
+        smoke_test(backend, setup, mine[-1], rank)
+    tol = ec.parity_tol or max(default_tolerance(setup.compute_dtype), default_tolerance(setup.store_dtype))
+    later = [i for b in batches[1:] for i in b.indices]
+    verify = set(batches[0].indices) | {later[round(j * (len(later) - 1) / max(ec.verify - 1, 1))]
+                                         for j in range(min(ec.verify, len(later)))}
     bar = _progress(ec.progress and rank == 0, summary["tokens"])
     writer.start()
     done = 0
     try:
-        for batch in batches:
-            tokens = [setup.prepared[i]["input_ids"] for i in batch.indices]
-            states_TKD, failed = forward_batch(backend, batch, tokens, failures)
-            errors = verify_batch(backend, batch, tokens, states_TKD, verify - set(failed), tol, setup.prepared.ids)
-            summary["parity_checked"] += len(errors)
-            summary["parity_max_error"] = max([summary["parity_max_error"], *errors])
-            finite_T = torch.isfinite(states_TKD).flatten(1).all(1)
-            writer.submit(batch, copier.copy(states_TKD, finite_T), failed)
-            if bar is not None:
-                bar.update(batch.num_tokens)
-                done += len(batch.indices)
-                bar.set_postfix_str(f"{done:,}/{len(mine):,} samples, {writer.bytes_written / 1e9:.2f} GB written",
-                                    refresh=False)
-        writer.finish()
+        with timer.gpu("batches (all phases of the main stream)"):
+            for batch in batches:
+                tokens = [setup.prepared[i]["input_ids"] for i in batch.indices]
+                states_TKD, failed = forward_batch(backend, batch, tokens, failures, timer)
+                check = verify.intersection(batch.indices) - set(failed)
+                if check:
+                    with timer.gpu("parity check"):
+                        errors = verify_batch(backend, batch, tokens, states_TKD, check, tol, setup.prepared.ids)
+                    summary["parity_checked"] += len(errors)
+                    summary["parity_max_error"] = max([summary["parity_max_error"], *errors])
+                with timer.gpu("isfinite"):
+                    finite_T = torch.isfinite(states_TKD).flatten(1).all(1)
+                pending = copier.copy(states_TKD, finite_T, timer)
+                with timer.host("wait for the writer queue"):
+                    writer.submit(batch, pending, failed)
+                if bar is not None:
+                    bar.update(batch.num_tokens)
+                    done += len(batch.indices)
+                    bar.set_postfix_str(f"{done:,}/{len(mine):,} samples, {writer.bytes_written / 1e9:.2f} GB written",
+                                        refresh=False)
+        with timer.host("wait for the writers to finish"):
+            writer.finish()
     except BaseException:
         writer.abort()
         raise
     finally:
         if bar is not None:
             bar.close()
+    for name, seconds in writer.stats().items():
+        timer.add(f"writers: {name}", seconds)
     summary.update(failed=sorted(failures.samples), seconds=round(time.perf_counter() - t0, 3),
                    bytes=writer.bytes_written)
     return summary

@@ -3,7 +3,7 @@
 The interface the rest of the stage relies on (a vLLM backend would implement the same):
 
     backend.layer_ids, backend.hidden_size, backend.num_layers, backend.dtype
-    backend.forward(batch, tokens) -> states_TKD   # on any device, backend.dtype; T = batch.num_tokens
+    backend.forward(batch, tokens, timer=NULL_TIMER) -> states_TKD   # any device, backend.dtype; T = batch.num_tokens
     backend.reference(tokens_S)    -> states_SKD   # plain batch-1 forward, the parity reference
 
 `states_TKD` holds the batch's samples back to back in `batch.indices` order; its K+1 layer entries
@@ -17,10 +17,20 @@ discarded. Packed batches pass per-sample position ids and no mask; transformers
 the block-diagonal causal mask from the position-id restarts. Both are checked against the plain
 forward on the first batch of every run (and by tests/test_extract.py per architecture).
 
+`compile=True` runs each decoder layer's `forward` through `torch.compile` (inductor fuses the
+norms, RoPE, SiLU-gating and residual adds that eager runs as separate memory-bound kernels). Only
+`forward` is compiled, not `Module.__call__`, so the capture hooks stay plain Python around it; the
+graph has dynamic shapes, so one compilation serves every batch shape and, the layers sharing their
+code, every layer (plus one for batches of a single row, which torch specializes). The parity
+reference always runs the eager layers, so the check also covers the compiler.
+
 Shapes: B batch, S sequence, T tokens of a batch, K layers (aux + final), D hidden size.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -28,6 +38,7 @@ from torch import nn
 from eyas.capture import HiddenStateCapture, base_model, text_config
 from eyas.errors import EyasError
 from eyas.extract.plan import Batch
+from eyas.extract.profile import NULL_TIMER, NullTimer
 
 
 class ParityError(EyasError):
@@ -39,7 +50,8 @@ class HFBackend:
 
     name = "hf"
 
-    def __init__(self, model: nn.Module, layer_ids: list[int], dtype: torch.dtype):
+    def __init__(self, model: nn.Module, layer_ids: list[int], dtype: torch.dtype, compile: bool = False,
+                 compile_backend: str = "inductor"):
         self.model = model
         self.base = base_model(model)
         self.capture = HiddenStateCapture(model, layer_ids)
@@ -49,6 +61,36 @@ class HFBackend:
         self.hidden_size = int(conf.hidden_size)
         self.dtype = dtype
         self.device = model.get_input_embeddings().weight.device
+        self._compiled: dict[nn.Module, tuple[object, object]] = {}  # layer -> (compiled, own instance forward)
+        if compile:
+            for layer in self.capture.layers:
+                own = layer.__dict__.get("forward")  # e.g. accelerate's device_map wrapper, kept inside
+                self._compiled[layer] = (torch.compile(layer.forward, dynamic=True, backend=compile_backend), own)
+            self._install(True)
+
+    def _install(self, compiled: bool) -> None:
+        """Put the compiled forwards on the layers (an instance attribute shadowing the class's
+        `forward`), or give the layers back what they had."""
+        for layer, (fn, own) in self._compiled.items():
+            if compiled:
+                layer.forward = fn
+            elif own is not None:
+                layer.forward = own
+            else:
+                layer.__dict__.pop("forward", None)
+
+    @contextmanager
+    def _eager(self) -> Iterator[None]:
+        self._install(False)
+        try:
+            yield
+        finally:
+            self._install(True)
+
+    def close(self) -> None:
+        """Give the model its eager layers back (the model outlives the backend, e.g. in the bench)."""
+        self._install(False)
+        self._compiled = {}
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         if self.device.type == "cuda":
@@ -56,26 +98,29 @@ class HFBackend:
         return t.to(self.device, non_blocking=True)
 
     @torch.no_grad()
-    def forward(self, batch: Batch, tokens: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, batch: Batch, tokens: list[torch.Tensor], timer: NullTimer = NULL_TIMER) -> torch.Tensor:
         kwargs = {"input_ids": self._to_device(batch.input_ids(tokens)), "use_cache": False}
         pos = batch.position_ids()
         if pos is not None:
             kwargs["position_ids"] = self._to_device(pos)
-        with self.capture as cap:
-            self.base(**kwargs)
-            states_BSKD = cap.states()
-        states_NKD = states_BSKD.flatten(0, 1)
         index = batch.token_index()
-        if index is not None:
-            states_NKD = states_NKD.index_select(0, self._to_device(index).to(states_NKD.device))
-        return states_NKD.to(self.dtype)
+        index = self._to_device(index) if index is not None else None
+        with self.capture as cap:
+            with timer.gpu("forward"):
+                self.base(**kwargs)
+            with timer.gpu("capture (stack, gather, cast)"):
+                states_NKD = cap.states().flatten(0, 1)
+                if index is not None:
+                    states_NKD = states_NKD.index_select(0, index.to(states_NKD.device))
+                return states_NKD.to(self.dtype)
 
     @torch.no_grad()
     def reference(self, tokens_S: torch.Tensor) -> torch.Tensor:
         """A plain batch-1 forward of the decoder, no hooks: aux k = hidden_states[k], final =
         last_hidden_state (the final-norm output in every transformers version; hidden_states[-1]
         is the same tensor in 5.x, tests/test_capture.py checks it)."""
-        out = self.base(input_ids=self._to_device(tokens_S.view(1, -1)), output_hidden_states=True, use_cache=False)
+        with self._eager():  # the reference is the plain model, also when the layers are compiled
+            out = self.base(input_ids=self._to_device(tokens_S.view(1, -1)), output_hidden_states=True, use_cache=False)
         hs = out.hidden_states
         assert len(hs) == self.num_layers + 1, f"expected {self.num_layers + 1} hidden states, got {len(hs)}"
         final = getattr(out, "last_hidden_state", None)

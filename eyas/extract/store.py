@@ -10,9 +10,12 @@
 A shard is written to a temp file and renamed when whole, then listed in the journal; on resume a
 shard counts only when listed *and* present with the listed size, anything else (temp files,
 unlisted shards) is deleted and its samples are extracted again. So `kill -9` at any moment loses
-at most the shard in progress, and no sample is ever stored twice. The shard's contents (which
-samples, in which order) are planned before it is opened, so its safetensors header is written
-first and the hidden states are streamed straight from pinned host buffers, hashed on the way.
+at most the shards in progress, and no sample is ever stored twice; shards are independent, so
+they may be completed in any order. The shard's contents (which samples, in which order) are
+planned before it is opened, so its safetensors header is written first and the hidden states are
+streamed straight from pinned host buffers, hashed on the way; after each batch the kernel is asked
+to start writing it to disk (`start_writeback`), so the fsync at the end waits for one batch, not
+for the whole shard.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 from eyas.errors import ArtifactError, ConfigError
 
 SHARD_DIR = "shards"
-_HASHER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eyas-shard-hash")
+_HASHER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="eyas-shard-hash")  # >= shards written at once
 PROGRESS_DIR = "progress"
 ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32", torch.uint8: "U8"}
 
@@ -82,6 +85,8 @@ class ShardWriter:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # safetensors pads the header to 8 bytes
         self.hash = hashlib.sha256()
+        self._offset = 0  # bytes handed to the file so far
+        self._hinted = [0, 0]  # start of the range to hint next, end of the last range hinted
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.tmp, "wb")
         self._write(struct.pack("<Q", len(blob)) + blob)
@@ -94,6 +99,25 @@ class ShardWriter:
         pending = _HASHER.submit(self.hash.update, data)
         self.file.write(data)
         pending.result()
+        self._offset += memoryview(data).nbytes
+
+    def start_writeback(self) -> None:
+        """Have the kernel start writing what the shard holds so far to disk, and drop from the page
+        cache what is already there. Linux's POSIX_FADV_DONTNEED does both: it queues writeback of
+        the dirty pages (without waiting for it) and evicts only clean ones, so no data can be lost.
+        Without it the disk idles until the fsync in close() writes the whole shard, and GBs of
+        dirty pages pile up. A hint: a no-op on tmpfs, skipped where the OS lacks it."""
+        advise = getattr(os, "posix_fadvise", None)
+        start, last = self._hinted
+        if advise is None or self._offset <= start:
+            return
+        self.file.flush()
+        try:
+            # the range includes the previous batch: written out by now, it is evicted this time
+            advise(self.file.fileno(), start, self._offset - start, os.POSIX_FADV_DONTNEED)
+        except OSError:  # only a hint (a filesystem may refuse it): close() still fsyncs before the shard counts
+            pass
+        self._hinted = [last, self._offset]
 
     def write_states(self, states_TKD: torch.Tensor) -> None:
         row_bytes = states_TKD.shape[1] * states_TKD.shape[2] * states_TKD.element_size()
