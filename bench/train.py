@@ -56,7 +56,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pack", type=int, default=1, help="samples packed into one micro-batch row")
     p.add_argument("--ttt", type=int, default=7)
     p.add_argument("--loss-fraction", type=float, default=1.0, help="fraction of tokens with loss mask 1")
-    p.add_argument("--attention", default="auto", choices=["auto", "flex", "sdpa"])
+    p.add_argument("--attention", default="flex", choices=["auto", "flex", "sdpa"])
     p.add_argument("--compile", action="store_true", help="torch.compile the draft's decoder step")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)

@@ -56,8 +56,9 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the draft's decoder step (GPU)."""
     attention: str = "auto"
-    """TTT attention kernel: sdpa (explicit boolean mask), flex (FlexAttention block mask, CUDA) or
-    auto (flex on CUDA, sdpa on CPU)."""
+    """TTT attention kernel: sdpa (explicit boolean mask), flex (FlexAttention block mask, CUDA; fast
+    on fixed-length rows, see BENCHMARKS.md, but its first step on packed rows of varying length did
+    not finish in 200 s on an H200) or auto (sdpa, until flex is fixed for varying lengths)."""
     teacher_chunk: int = 1024
     """Tokens per chunk when applying the target's lm_head to the final hidden states, so the
     V-wide logits never exist for the whole batch."""
