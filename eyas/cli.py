@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from eyas.errors import EyasError, describe_exception
+from eyas.errors import EyasError, describe_exception, exception_message
 
 USAGE = """usage: eyas <command> [config.yaml] [--section.key=value ...]
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         result = importlib.import_module(module_name).main(cfg)
         return int(result) if isinstance(result, int) else 0
     except EyasError as e:
-        print(f"eyas {command}: error: {e}", file=sys.stderr)
+        print(f"eyas {command}: error: {exception_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"eyas {command}: interrupted", file=sys.stderr)

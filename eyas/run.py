@@ -183,7 +183,7 @@ def _plot(cfg: EyasConfig) -> None:
     try:
         plot = importlib.import_module("eyas.plot")
     except ImportError as e:
-        print(f"[eyas:run] plots skipped: {e}", flush=True)
+        print(f"[eyas:run] plots skipped ({type(e).__name__}: {e}); `pip install matplotlib` to get them", flush=True)
         return
     c = copy.deepcopy(cfg)
     c.plot.run_dir = str(cfg.stage_dir("train"))
