@@ -52,8 +52,16 @@ def num_layers(model: nn.Module) -> int:
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
-    """[2, L//2, L-3], the EAGLE-3 reference choice (Llama-3.1-8B: 2, 16, 29; SmolLM2-135M: 2, 15, 27)."""
-    return [2, num_layers // 2, num_layers - 3]
+    """[2, L//2, L-3], the EAGLE-3 reference choice and vLLM's default (Llama-3.1-8B: 2, 16, 29;
+    SmolLM2-135M: 2, 15, 27). Targets with fewer than 8 layers (test models) would repeat an id
+    there, so they get three distinct ids spread over [1, L-1] instead: write them into the draft
+    config (eyas export always does), since the engines' default would differ."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if ids == sorted(set(ids)) and min(ids) >= 0:
+        return ids
+    if num_layers < 3:
+        raise ConfigError(f"a target with {num_layers} layers has no 3 distinct aux layers; set --extract.layer_ids")
+    return [1, num_layers // 2, num_layers - 1] if num_layers >= 4 else [0, 1, 2]
 
 
 def check_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:

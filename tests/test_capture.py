@@ -112,3 +112,12 @@ def test_smollm2_capture_matches_plain_forward(smollm2_dir):
     ref = torch.stack([hs[2], hs[15], hs[27]], dim=2)
     torch.testing.assert_close(aux_BSKD, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(final_BSD, hs[30], rtol=1e-5, atol=1e-5)
+
+
+def test_default_layer_ids_are_the_reference_choice_and_always_ascending():
+    from eyas.capture import default_layer_ids
+
+    assert default_layer_ids(32) == [2, 16, 29] and default_layer_ids(30) == [2, 15, 27]
+    for n in range(3, 80):
+        ids = default_layer_ids(n)
+        assert ids == sorted(set(ids)) and len(ids) == 3 and 0 <= ids[0] and ids[-1] < n, (n, ids)
