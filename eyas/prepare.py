@@ -18,7 +18,6 @@ Output directory (read it with `eyas.Prepared`):
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from pathlib import Path

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread for every test: the models here are tiny (all per-op overhead), and on a
+    shared 2-core machine OpenMP spin-waits made 2 threads 5-50x slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -17,14 +17,6 @@ from eyas.errors import ConfigError
 from extract_helpers import ARCHS, tiny_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core box, OpenMP spin-waits make 2 threads 10-50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def llama():

@@ -39,14 +39,6 @@ AUX = (0, 2, 3)
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models are all per-op overhead: extra threads only contend on a shared 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def target():

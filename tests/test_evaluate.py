@@ -16,13 +16,6 @@ from eyas.spec import Generation, SpecStats
 from spec_helpers import random_draft, tiny_llama
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 # --- config and inputs -------------------------------------------------------------------------------
 

@@ -27,14 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 NUM_CHATS = 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on a shared 2-core box, OpenMP spin-waits make 2 threads 10-50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="session")
 def prep(tmp_path_factory, smollm2_dir) -> Path:

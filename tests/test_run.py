@@ -7,18 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from eyas.cli import main as cli
 from extract_helpers import save_tiny
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def recipe(tmp_path, target):

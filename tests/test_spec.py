@@ -30,14 +30,6 @@ from spec_helpers import OracleDraft, markov_draft, markov_target, random_draft,
 K = 4  # chain length used throughout
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models are all per-op overhead: extra threads only contend on a shared 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 # --- acceptance maths ------------------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ import torch
 from eyas.errors import ConfigError
 from eyas.train import build, run
 from eyas.train.loss import acceptance_length, step_terms, teacher_targets, weighted_loss
-from train_helpers import one_thread  # noqa: F401  (autouse fixture)
 from train_helpers import InMemoryStates, read_metrics, run_prepare, save_tiny_llama, train_config, write_chats
 
 

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.train.data import pack
 from eyas.train.ttt import naive_ttt, sdpa_masks, shift_left, ttt_forward, ttt_mask_mod
-from train_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 
 def make_draft(norm_before_residual=False, seed=0) -> Eagle3Draft:

@@ -6,21 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from eyas.config import EyasConfig, load_config
 
 VOCAB = 49152
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a busy 2-core box OpenMP barriers make tiny ops ~50x slower with 2."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def write_chats(path: Path, n: int) -> Path:
