@@ -103,7 +103,8 @@ def _iter_hf(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
 def normalise(where: str, rec: dict[str, Any], fmt: str, counts: Counter, system_prompt: str = "") -> Conversation | None:
     """One raw record -> Conversation, or None (dropped; the reason is counted)."""
     if fmt in ("auto", "hf"):
-        fmt = "sharegpt" if "conversations" in rec else "openai" if "messages" in rec else ""
+        # (a datasets table has every column in every row: an absent field reads as None)
+        fmt = "sharegpt" if rec.get("conversations") is not None else "openai" if rec.get("messages") is not None else ""
         if not fmt:
             raise DataError(f"{where}: record has neither 'conversations' (ShareGPT) nor 'messages' (OpenAI); keys: {sorted(rec)}")
     key, role_key, text_key = ("conversations", "from", "value") if fmt == "sharegpt" else ("messages", "role", "content")

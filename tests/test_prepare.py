@@ -376,3 +376,19 @@ def test_error_too_many_dropped(tmp_path, capsys):
     p.write_text("\n".join([json.dumps(good)] + [json.dumps({"messages": []})] * 3) + "\n")
     err = run_err(capsys, "prepare", f"--run_dir={tmp_path}", f"--prepare.data={p}", "--prepare.max_drop_fraction=0.5")
     assert "dropped 3 of 4" in err and "dropped_empty_record" in err
+
+
+def test_hf_dataset_saved_to_disk(tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    recs = [  # mixed forms in one table: the absent column of each row reads as None
+        {"id": "h1", "conversations": None,
+         "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+        {"id": "h2", "messages": None,
+         "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},
+    ]
+    path = tmp_path / "ds"
+    datasets.Dataset.from_list(recs).save_to_disk(str(path))
+    convs, counts = load_conversations(str(path))
+    assert [c.id for c in convs] == ["h1", "h2"] and convs[1].messages[-1] == {"role": "assistant", "content": "4"}
+    assert cli(["prepare", f"--run_dir={tmp_path}", f"--prepare.data={path}", "--prepare.draft_vocab_size=50"]) == 0
+    assert len(Prepared(tmp_path / "prepare")) == 2
