@@ -33,6 +33,15 @@ def library_versions() -> dict[str, str]:
     return out
 
 
+def fsync_dir(path: str | Path) -> None:
+    """fsync a directory, so a rename into it survives a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write to a temp file in the same directory, fsync, rename: the file is whole or absent."""
     path = Path(path)

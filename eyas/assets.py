@@ -179,19 +179,14 @@ def mtbench_path() -> Path:
 
 def load_mtbench(path: str | Path | None = None) -> list[dict[str, Any]]:
     """MT-bench questions: [{question_id, category, turns: [str, str]}]."""
+    from eyas.chat import iter_jsonl
+
     path = Path(path) if path else mtbench_path()
     out = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: malformed JSON line: {e.msg}") from None
-            if not isinstance(rec.get("turns"), list) or not rec["turns"]:
-                raise DataError(f"{path}:{lineno}: question has no 'turns' list")
-            out.append(rec)
+    for where, rec in iter_jsonl(path):
+        if not isinstance(rec.get("turns"), list) or not rec["turns"]:
+            raise DataError(f"{where}: question has no 'turns' list")
+        out.append(rec)
     return out
 
 

@@ -56,7 +56,7 @@ def iter_records(path: str, fmt: str = "auto") -> Iterator[tuple[str, dict[str, 
         yield from _iter_hf(p)
         return
     if p.suffix == ".jsonl":
-        yield from _iter_jsonl(p)
+        yield from iter_jsonl(p)
         return
     # .json: an array of records (parsed record by record) or, like .jsonl, one object per line
     with open(p, encoding="utf-8") as f:
@@ -67,12 +67,12 @@ def iter_records(path: str, fmt: str = "auto") -> Iterator[tuple[str, dict[str, 
                 raise DataError(f"{p}#{i}: expected a JSON object per record, got {type(rec).__name__}")
             yield f"{p.name}#{i}", rec
     elif head.startswith("{"):
-        yield from _iter_jsonl(p)
+        yield from iter_jsonl(p)
     else:
         raise DataError(f"{p}:1: expected a JSON array of records or one JSON object per line")
 
 
-def _iter_jsonl(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def iter_jsonl(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     with open(p, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():

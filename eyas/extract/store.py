@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from eyas.errors import ArtifactError, ConfigError
+from eyas.artifacts import fsync_dir
 
 SHARD_DIR = "shards"
 _HASHER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="eyas-shard-hash")  # >= shards written at once
@@ -51,14 +52,6 @@ def _raw(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor without a copy (numpy has no bfloat16, bytes do)."""
     assert t.is_contiguous() and t.device.type == "cpu"
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardWriter:
@@ -135,7 +128,7 @@ class ShardWriter:
         os.fsync(self.file.fileno())
         self.file.close()
         os.replace(self.tmp, self.path)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         return {"sha256": self.hash.hexdigest(), "bytes": self.bytes}
 
     def abort(self) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 
 from eyas.draft import DraftConfig, Eagle3Draft, save_draft
 from eyas.errors import ArtifactError, ConfigError
+from eyas.artifacts import fsync_dir
 
 STEP_RE = re.compile(r"^step_(\d{7,})$")
 TRAINER_STATE = "trainer.pt"
@@ -98,19 +99,11 @@ def save(
     if final.exists():  # a re-run of the same step after resume
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(ckpt_root)
+    fsync_dir(ckpt_root)
     if keep:
         for old in checkpoints(ckpt_root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def checkpoints(ckpt_root: Path) -> list[Path]:
