@@ -271,11 +271,13 @@ class Eagle3Draft(nn.Module):
         past_k: torch.Tensor | None = None,
         past_v: torch.Tensor | None = None,
         mask_BSP: torch.Tensor | None = None,
+        kv_len: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One draft step. Keys attended = cat(past_k, this step's k) along the sequence axis.
 
         mask_BSP: bool [B or 1, S, P+S] (True = attend) or a FlexAttention BlockMask over the
-        P+S keys; None with no past means causal.
+        P+S keys; None with no past means causal. kv_len: zero-pad the keys/values to this length
+        (fixed shapes for FlexAttention; the mask must block the padding).
         Returns (prenorm_BSD: the output fed back as h; k_BHSd, v_BHSd of this step, after RoPE).
         """
         layer = self.midlayer
@@ -287,6 +289,9 @@ class Eagle3Draft(nn.Module):
         q, k, v = layer.self_attn.qkv(x, cos, sin)
         k_all = k if past_k is None else torch.cat([past_k, k], dim=2)
         v_all = v if past_v is None else torch.cat([past_v, v], dim=2)
+        if kv_len > k_all.shape[2]:
+            k_all = F.pad(k_all, (0, 0, 0, kv_len - k_all.shape[2]))
+            v_all = F.pad(v_all, (0, 0, 0, kv_len - v_all.shape[2]))
         if mask_BSP is None:
             assert past_k is None, "a mask is required when past keys are given"
             s = q.shape[2]

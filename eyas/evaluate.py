@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -238,6 +239,7 @@ class Setup:
     draft_dir: Path
     stop_ids: frozenset[int]
     seed: int
+    engine: Any = None
 
 
 def load_setup(cfg: EyasConfig) -> Setup:
@@ -252,7 +254,12 @@ def load_setup(cfg: EyasConfig) -> Setup:
     draft = load_eval_draft(draft_dir, target.get_input_embeddings().weight, device, dtype)
     check_draft_fits(draft, target)
     seed = cfg.seed if ec.seed < 0 else ec.seed
-    return Setup(tok, target, draft, device, dtype, draft_dir, stop_token_ids(tok, target), seed)
+    engine = None
+    if device.type == "cuda" and ec.cuda_graphs:
+        from eyas.spec.static import StaticEngine
+
+        engine = StaticEngine(target, draft, max_len=ec.max_context)
+    return Setup(tok, target, draft, device, dtype, draft_dir, stop_token_ids(tok, target), seed, engine)
 
 
 def decoder(s: Setup, ec, mode: str | None, max_new_tokens: int) -> Callable[[torch.Tensor], Generation]:
@@ -261,12 +268,12 @@ def decoder(s: Setup, ec, mode: str | None, max_new_tokens: int) -> Callable[[to
     if mode is None:
         return lambda ids: target_generate(
             s.target, ids, max_new_tokens=max_new_tokens, temperature=ec.temperature, generator=gen,
-            stop_ids=s.stop_ids,
+            stop_ids=s.stop_ids, engine=s.engine,
         )  # fmt: skip
     return lambda ids: speculative_generate(
         s.target, s.draft, ids, max_new_tokens=max_new_tokens, mode=mode, num_draft_tokens=ec.num_draft_tokens,
         tree_total_tokens=ec.tree_total_tokens, tree_depth=ec.tree_depth, tree_top_k=ec.tree_top_k,
-        temperature=ec.temperature, generator=gen, stop_ids=s.stop_ids,
+        temperature=ec.temperature, generator=gen, stop_ids=s.stop_ids, engine=s.engine,
     )  # fmt: skip
 
 
@@ -350,18 +357,30 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     modes = ["chain", "tree"] if ec.mode == "both" else [ec.mode]
     check = ec.temperature == 0 and ec.lossless_check
     warm_up(s, ec, questions, modes)
-    num_prompts = sum(len(q["turns"]) for q in questions)
-    base_runs = None
+    decoders: dict[str | None, Callable[[torch.Tensor], Generation]] = {}
     if check or ec.measure_speedup:
-        print(f"[eyas:evaluate] target-only decoding of {num_prompts} prompts", flush=True)
-        base_runs = run_conversations(decoder(s, ec, None, ec.max_new_tokens), s.tok, questions, s.device, s.stop_ids)
-    spec_runs = {}
-    for mode in modes:
-        print(f"[eyas:evaluate] {mode} speculative decoding of {num_prompts} prompts", flush=True)
-        gen = decoder(s, ec, mode, ec.max_new_tokens)
-        spec_runs[mode] = run_conversations(gen, s.tok, questions, s.device, s.stop_ids)
+        decoders[None] = decoder(s, ec, None, ec.max_new_tokens)
+    decoders.update({m: decoder(s, ec, m, ec.max_new_tokens) for m in modes})
+    names = ", ".join("target-only" if m is None else m for m in decoders)
+    print(f"[eyas:evaluate] {len(questions)} questions ({sum(len(q['turns']) for q in questions)} prompts), each "
+          f"decoded by: {names}", flush=True)
+    runs: dict[str | None, list[dict[str, Any]]] = {m: [] for m in decoders}
+    t0, longest, done = time.perf_counter(), 0.0, 0
+    for q in questions:  # every decoder finishes a question before the next: a budget cuts all alike
+        if done and ec.max_seconds and time.perf_counter() - t0 + longest > ec.max_seconds:
+            print(f"[eyas:evaluate] evaluate.max_seconds={ec.max_seconds:g} reached after {done} of "
+                  f"{len(questions)} questions", flush=True)
+            break
+        tq = time.perf_counter()
+        for m, gen in decoders.items():
+            runs[m] += run_conversations(gen, s.tok, [q], s.device, s.stop_ids)
+        longest, done = max(longest, time.perf_counter() - tq), done + 1
+    base_runs = runs.pop(None, None)
+    spec_runs = runs
     results = collect_results(base_runs, spec_runs, check)
-    results["num_questions"] = len(questions)
+    results["num_questions"] = done
+    results["questions_requested"] = len(questions)
+    results["stopped_early"] = done < len(questions)
     results["settings"] = {
         "mode": ec.mode,
         "temperature": ec.temperature,
@@ -372,6 +391,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         "tree_top_k": ec.tree_top_k,
         "seed": s.seed,
         "device": str(s.device),
+        "cuda_graphs": s.engine is not None,
         "dtype": str(s.dtype).replace("torch.", ""),
         "draft": str(s.draft_dir),
         "bench": ec.bench,
@@ -387,7 +407,8 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         draft=str(s.draft_dir),
         hashes={"draft_weights": sha256_file(draft_weights_file(s.draft_dir)), "bench": bench_hash(ec.bench)},
         counts={
-            "questions": len(questions),
+            "questions": done,
+            "questions_requested": len(questions),
             "prompts": results["num_prompts"],
             **{f"tau_{m}": results[f"tau_{m}"] for m in modes},
         },

@@ -15,8 +15,10 @@ every completed conversation and redoes at most one chunk. A turn whose prompt e
 `max_prompt_tokens` ends its conversation there (counted).
 
 Backends share one interface: `generate(prompts: list[list[dict]]) -> list[Answer]`.
-  hf      transformers `generate`, prompts sorted by length and left-padded, KV cache; on CUDA a
-          static cache compiled by transformers, prompt lengths padded to buckets so few shapes compile.
+  hf      prompts sorted by length, left-padded, batched. On CUDA (`static_cache`, default): eyas's
+          BatchDecoder (eyas/spec/static.py): fixed-size KV buffers and the decode step of all rows
+          as one CUDA graph (captured in a forward's time, no compilation), batches always full,
+          prompt widths bucketed (`static_widths`). Elsewhere: transformers `generate`.
   server  OpenAI-compatible /v1/chat/completions with bounded concurrency; connection errors,
           HTTP 429 and 5xx are retried `retries` times with backoff, then the run fails naming the
           conversation, the attempts and the last error. Nothing is skipped silently.
@@ -66,6 +68,9 @@ class HFBackend:
         self.eos = _eos_ids(self.model, tok)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos[0]
         self.static = rc.static_cache and self.device.startswith("cuda")
+        self.widths = sorted(rc.static_widths or {512, rc.max_prompt_tokens})
+        self.decoder = None
+        self.generator = torch.Generator(self.device).manual_seed(cfg.seed)
 
     def generate(self, prompts_ids: list[list[int]]) -> list[Answer]:
         import torch
@@ -74,35 +79,65 @@ class HFBackend:
         out: list[Answer | None] = [None] * len(prompts_ids)
         for b in range(0, len(order), self.rc.batch_size):
             idx = order[b : b + self.rc.batch_size]
-            width = max(len(prompts_ids[i]) for i in idx)
-            rows = len(idx)
-            if self.static:  # every compiled shape costs ~40 s: few widths, always full batches
-                width = max(256, 1 << (width - 1).bit_length())
-                rows = self.rc.batch_size
-            ids = torch.full((rows, width), self.pad, dtype=torch.long)
-            mask = torch.zeros((rows, width), dtype=torch.long)
-            for row in range(rows):  # left padding: generation continues from the right edge
-                p = prompts_ids[idx[min(row, len(idx) - 1)]]  # filler rows repeat the last prompt
-                ids[row, width - len(p) :] = torch.tensor(p)
-                mask[row, width - len(p) :] = 1
-            kw: dict[str, Any] = dict(
-                max_new_tokens=self.rc.max_new_tokens,
-                do_sample=self.rc.temperature > 0,
-                eos_token_id=self.eos,
-                pad_token_id=self.pad,
-            )
-            if self.rc.temperature > 0:
-                kw.update(temperature=self.rc.temperature, top_p=self.rc.top_p, top_k=0)
-            else:
-                kw.update(temperature=None, top_p=None, top_k=None)
+            batch = [prompts_ids[i] for i in idx]
             if self.static:
-                kw["cache_implementation"] = "static"
-            with torch.inference_mode():
-                gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kw)
-            new = gen[:, width:].cpu().tolist()  # one host sync per batch
+                new = self._static_batch(batch)
+            else:
+                new = self._hf_batch(batch)
             for row, i in enumerate(idx):
                 out[i] = self._answer(new[row])
         return out  # type: ignore[return-value]
+
+    def _pick(self, logits_BV):
+        import torch
+
+        if self.rc.temperature == 0:
+            return logits_BV.argmax(-1)
+        from eyas.spec.sampling import logits_to_probs
+
+        probs = logits_to_probs(logits_BV.float(), self.rc.temperature)
+        if self.rc.top_p < 1.0:
+            p_sorted, idx = probs.sort(-1, descending=True)
+            drop = p_sorted.cumsum(-1) - p_sorted > self.rc.top_p
+            probs = probs.scatter(-1, idx, p_sorted.masked_fill(drop, 0.0))
+        return torch.multinomial(probs, 1, generator=self.generator).view(-1)
+
+    def _static_batch(self, batch: list[list[int]]) -> list[list[int]]:
+        """eyas's batched decoder (SlotCache + one CUDA graph per decode shape), full rows only."""
+        from eyas.spec.static import BatchDecoder
+
+        width = static_width(max(len(p) for p in batch), self.widths)
+        if self.decoder is None or self.decoder.width != width:
+            self.decoder = None  # one decoder's caches at a time
+            if self.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.empty_cache()
+            self.decoder = BatchDecoder(self.model, self.rc.batch_size, width, self.rc.max_new_tokens)
+        return self.decoder.generate(batch, set(self.eos), self.pad, self._pick)
+
+    def _hf_batch(self, batch: list[list[int]]) -> list[list[int]]:
+        import torch
+
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, p in enumerate(batch):  # left padding: generation continues from the right edge
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        kw: dict[str, Any] = dict(
+            max_new_tokens=self.rc.max_new_tokens,
+            do_sample=self.rc.temperature > 0,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+        )
+        if self.rc.temperature > 0:
+            kw.update(temperature=self.rc.temperature, top_p=self.rc.top_p, top_k=0)
+        else:
+            kw.update(temperature=None, top_p=None, top_k=None)
+        with torch.inference_mode():
+            gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kw)
+        return gen[:, width:].cpu().tolist()  # one host sync per batch
 
     def _answer(self, new: list[int]) -> Answer:
         n, reason = len(new), "length"
@@ -112,6 +147,14 @@ class HFBackend:
                 break
         text = self.tok.decode(new[:n], skip_special_tokens=True)
         return Answer(text.strip(), n, reason)
+
+
+def static_width(width: int, widths: list[int]) -> int:
+    """The smallest compiled width that holds a prompt batch of `width` tokens."""
+    for w in widths:
+        if width <= w:
+            return w
+    raise EyasError(f"regenerate: a prompt of {width} tokens is wider than every regenerate.static_widths {widths}")
 
 
 def _eos_ids(model, tok) -> list[int]:
@@ -185,7 +228,8 @@ def regenerate_chunk(backend, tok, convs: list[Conversation], rc, counts: Counte
         head = [m for m in c.messages[:1] if m["role"] == "system"]
         users = [m["content"] for m in c.messages if m["role"] == "user"]
         states.append({"conv": c, "index": c.index, "messages": list(head), "users": users, "reasons": [], "open": True})
-    for r in range(max(len(s["users"]) for s in states)):
+    rounds = max(len(s["users"]) for s in states)
+    for r in range(min(rounds, rc.max_turns) if rc.max_turns else rounds):
         live = [s for s in states if s["open"] and r < len(s["users"])]
         prompts, prompt_ids = [], []
         for s in list(live):
@@ -231,7 +275,9 @@ def read_done(path: Path) -> set[int]:
         with open(path, "r+b") as f:
             f.truncate(len(good))
     done = set()
-    for lineno, line in enumerate(good.decode().splitlines(), 1):
+    # split on "\n" only: str.splitlines() also breaks at U+2028, U+0085, ... which json.dumps
+    # leaves unescaped (ensure_ascii=False) inside generated text
+    for lineno, line in enumerate(good.decode().split("\n")[:-1], 1):
         try:
             done.add(int(json.loads(line)["source_index"]))
         except (json.JSONDecodeError, KeyError, ValueError) as e:
@@ -265,10 +311,22 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     counts: Counter = Counter()
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", dynamic_ncols=True)
+    longest, skipped = 0.0, 0
     for b in range(0, len(todo), rc.chunk_conversations):
+        if b and rc.max_seconds and time.perf_counter() - t0 + longest > rc.max_seconds:  # a run always makes progress
+            skipped = len(todo) - b
+            print(f"\n[eyas:regenerate] regenerate.max_seconds={rc.max_seconds:g} reached: {skipped} conversations "
+                  "left for a later run", flush=True)
+            break
         chunk = todo[b : b + rc.chunk_conversations]
+        t_chunk = time.perf_counter()
+        before = counts["new_tokens"]
         records = regenerate_chunk(backend, tok, chunk, rc, counts)
         append_records(path, records)
+        dt = time.perf_counter() - t_chunk
+        longest = max(longest, dt)
+        tqdm.write(f"[eyas:regenerate] chunk of {len(chunk)} conversations: {counts['new_tokens'] - before:,} new tokens "
+                   f"in {dt:.1f} s ({(counts['new_tokens'] - before) / max(dt, 1e-9):,.0f} tok/s)")
         bar.update(len(chunk))
         bar.set_postfix(tok_s=f"{counts['new_tokens'] / max(time.perf_counter() - t0, 1e-9):,.0f}")
     bar.close()
@@ -277,7 +335,9 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     summary = {
         "conversations_in": len(convs),
         "conversations_written": total,
-        "regenerated_now": len(todo),
+        "regenerated_now": len(todo) - skipped,
+        "not_started": skipped,
+        "stopped_early": skipped > 0,
         "resumed_from": len(done),
         "turns": counts["turns"],
         "new_tokens": counts["new_tokens"],
@@ -296,7 +356,8 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         output=OUTPUT,
     )
     print(
-        f"[eyas:regenerate] wrote {path}: {total} conversations ({len(todo)} now, {len(done)} resumed), "
+        f"[eyas:regenerate] wrote {path}: {total} conversations ({len(todo) - skipped} now, {len(done)} resumed"
+        + (f", {skipped} not started: max_seconds" if skipped else "") + "), "
         f"{counts['turns']} turns, {counts['new_tokens']:,} new tokens in {seconds:.1f} s "
         f"({summary['tokens_per_s']:,.0f} tok/s); finish: stop {counts['finish_stop']}, length {counts['finish_length']}",
         flush=True,

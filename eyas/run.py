@@ -143,6 +143,8 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
             print(f"[eyas:run] {s}: up to date in {out}, skipped", flush=True)
             meta = artifacts.read_meta(out, s)
             record["stages"][s] = {"status": "skipped", "dir": str(out), **_throughput(s, meta), "wall_s": meta.get("run_wall_s")}
+            if s == cfg.stop_after:
+                return record
             continue
         resuming = claim_stage_dir(s, out, keys[s])
         print(f"[eyas:run] {s}: {'resuming' if resuming else 'running'} -> {out}", flush=True)
@@ -160,6 +162,9 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
         record["stages"][s] = {"status": "ran", "dir": str(out), "wall_s": round(wall, 2), **_throughput(s, meta)}
         if s == "train":
             _plot(cfg)
+        if s == cfg.stop_after and s != stages[-1]:
+            print(f"[eyas:run] stop_after={s}: stopping here; run the same command without it to continue", flush=True)
+            return record
     record.update(_evaluation(cfg.stage_dir("evaluate")) if "evaluate" in stages else {})
     artifacts.atomic_write_json(run_dir / "summary.json", record)
     print_summary(record)

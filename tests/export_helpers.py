@@ -9,7 +9,8 @@
 * `fitted_draft`: a draft fitted in seconds (3-step TTT, eyas.train.ttt) to SmolLM2's own greedy
   continuations of the test prompts, so its acceptance is well above 1 on exactly those prompts and
   depends on every part of the draft (fc over the right aux layers, attention, norms, lm_head, d2t).
-  A stand-in for a draft produced by `eyas train` until the vLLM test can afford one.
+  Its decoys make it the base of the mis-served controls; the vLLM test also serves a draft made
+  by eyas's own stages (tests/vllm_train_helpers.py).
 * `vllm_python` / `run_vllm`: the separate vLLM venv (scripts/vllm-venv.sh) and its driver script.
 """
 

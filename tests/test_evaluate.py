@@ -144,6 +144,18 @@ def test_eyas_evaluate_end_to_end(tiny_run, capsys):
     assert "P(accept | reached)" in capsys.readouterr().out
 
 
+def test_time_budget_cuts_every_mode_at_the_same_question(tiny_run):
+    from eyas.cli import main
+
+    root, _ = tiny_run
+    out = root / "budget"
+    assert main(_args(root, "--mode=both", "--max_seconds=1e-6", f"--out_dir={out}")) == 0
+    r = json.loads((out / "results.json").read_text())
+    assert (r["num_questions"], r["questions_requested"], r["stopped_early"]) == (1, 2, True)
+    assert r["num_prompts"] == 2 and [(rec["id"], rec["turn"]) for rec in r["records"]] == [("1", 0), ("1", 1)]
+    assert all(rec["chain"]["lossless"] and rec["tree"]["lossless"] for rec in r["records"])
+
+
 def test_evaluate_fails_on_a_divergence(tiny_run, monkeypatch, capsys):
     """A decoder that changes one token must fail the run (exit 2) naming the first diverging position."""
     import eyas.evaluate

@@ -85,6 +85,64 @@ def test_hf_backend_equals_batch1_greedy_and_resumes(tmp_path, data, target):
     assert rc == 0
 
 
+def test_max_turns_and_time_budget(tmp_path, data, target):
+    model, tok = target
+    s = regenerate(cfg_for(tmp_path, data, "--regenerate.chunk_conversations=1", "--regenerate.max_turns=1",
+                           "--regenerate.max_seconds=1e-6"))
+    assert (s["regenerated_now"], s["not_started"], s["stopped_early"], s["turns"]) == (1, 2, True, 1)
+    meta = json.loads((tmp_path / "regenerate" / "meta.json").read_text())
+    assert meta["counts"]["stopped_early"] and meta["counts"]["conversations_written"] == 1
+    s = regenerate(cfg_for(tmp_path, data, "--regenerate.chunk_conversations=1", "--regenerate.max_turns=1"))
+    assert (s["resumed_from"], s["regenerated_now"], s["stopped_early"]) == (1, 2, False)
+    recs = read(tmp_path / "regenerate" / "conversations.jsonl")
+    for rec, conv in zip(recs, CONVS):  # one answer each; conversation "a" ends after its first turn
+        head = [m for m in conv["messages"][:1] if m["role"] == "system"]
+        user = [m for m in conv["messages"] if m["role"] == "user"][0]
+        want = greedy_reply(model, tok, head + [user], NEW)[0]
+        assert rec["messages"] == head + [user, {"role": "assistant", "content": want}]
+
+
+def test_resume_reads_records_with_unicode_line_separators(tmp_path):
+    """Generated text may hold U+2028 / U+0085 (json.dumps keeps them with ensure_ascii=False);
+    they are not line breaks of the JSONL file."""
+    from eyas.regenerate import append_records, read_done
+
+    path = tmp_path / "c.jsonl"
+    odd = "a\u2028b\x85c\u2029d\x1ce"
+    append_records(path, [{"source_index": 3, "messages": [{"role": "assistant", "content": odd}]},
+                          {"source_index": 7, "messages": []}])
+    assert read_done(path) == {3, 7}
+
+
+def test_batch_decoder_equals_batch1_greedy(target):
+    """eyas's static-cache batched decoder (eagerly on CPU; as CUDA graphs on GPUs): left-padded
+    prompts of several lengths plus filler rows give each prompt's batch-1 greedy answer, cut
+    after the first eos."""
+    from eyas.spec.static import BatchDecoder
+
+    model, tok = target
+    chats = [[{"role": "user", "content": "Name a colour."}],
+             [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Hello there, friend!"}],
+             [{"role": "user", "content": "What is 2+2? Answer with one number."}]]
+    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in chats]
+    width = max(map(len, prompts)) + 3
+    dec = BatchDecoder(model, rows=5, width=width, max_new=12, check_every=4)
+    got = dec.generate(prompts, {tok.eos_token_id}, tok.eos_token_id, lambda logits: logits.argmax(-1))
+    for chat, new in zip(chats, got):
+        text, n, reason = greedy_reply(model, tok, chat, 12)
+        assert len(new) == n and tok.decode(new, skip_special_tokens=True).strip() == text
+        assert (new[-1] == tok.eos_token_id) == (reason == "stop")
+    assert any(new[-1] == tok.eos_token_id for new in got) and any(len(new) == 12 for new in got)
+
+
+def test_static_width_buckets():
+    from eyas.regenerate import static_width
+
+    assert [static_width(w, [512, 1536]) for w in (1, 512, 513, 1536)] == [512, 512, 1536, 1536]
+    with pytest.raises(EyasError, match="wider than every"):
+        static_width(1537, [512, 1536])
+
+
 def test_server_backend_real_model_on_loopback(tmp_path, data, target):
     model, tok = target
     with ChatServer(model, tok) as srv:

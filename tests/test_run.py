@@ -1,6 +1,7 @@
 """`eyas run`: every stage end to end on a tiny slice (real ShareGPT records, the real SmolLM2
-tokenizer and chat template, a tiny random-weight Llama target), then the skip logic: an unchanged
-second run skips every stage; a changed training key re-runs train, export and evaluate only."""
+tokenizer and chat template, a tiny random-weight Llama target; first up to `--stop_after=prepare`,
+then the rest), then the skip logic: an unchanged second run skips every stage; a changed training
+key re-runs train, export and evaluate only."""
 
 from __future__ import annotations
 
@@ -44,10 +45,14 @@ def test_run_end_to_end_then_skips(tmp_path, smollm2_dir, capsys):
     target = save_tiny("llama", tmp_path / "tiny", smollm2_dir)
     y = recipe(tmp_path, target)
     run = tmp_path / "run"
+    everything = ["regenerate", "prepare", "extract", "train", "export", "evaluate"]
+    assert cli(["run", str(y), "--stop_after=prepare"]) == 0  # a slot of machine time ends here
+    out = capsys.readouterr().out
+    assert stages_line(out) == {"regenerate": "ran", "prepare": "ran"} and "stop_after=prepare" in out
+    assert not (run / "extract").exists() and not (run / "summary.json").exists()
     assert cli(["run", str(y)]) == 0
     out = capsys.readouterr().out
-    everything = ["regenerate", "prepare", "extract", "train", "export", "evaluate"]
-    assert stages_line(out) == {s: "ran" for s in everything}
+    assert stages_line(out) == {"regenerate": "skipped", "prepare": "skipped", **{s: "ran" for s in everything[2:]}}
     summary = json.loads((run / "summary.json").read_text())
     assert list(summary["stages"]) == everything
     assert summary["lossless"] is True and summary["tau_chain"] >= 1.0 and summary["tau_tree"] >= 1.0

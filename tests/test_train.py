@@ -253,6 +253,27 @@ def test_an_existing_run_needs_resume(tmp_path, smol_prep, tiny_target):
         run(cfg)
 
 
+def test_max_seconds_stops_early_and_resume_finishes(tmp_path, smol_prep, tiny_target):
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=5",
+                   "--train.log_every=2", "--train.max_seconds=1e-6")
+    meta = run(cfg)
+    train_dir = cfg.stage_dir("train")
+    assert meta["counts"]["steps"] == 2 and meta["counts"]["planned_steps"] == 5 and meta["counts"]["stopped_early"]
+    assert [r["step"] for r in read_metrics(train_dir)] == [2]
+    assert (train_dir / "final" / "draft.safetensors").is_file() and (train_dir / "checkpoints" / "step_0000002").is_dir()
+
+    cfg.train.max_seconds, cfg.train.resume = 0.0, "auto"
+    meta = run(cfg)
+    assert meta["counts"]["steps"] == 5 and not meta["counts"]["stopped_early"]
+    assert [r["step"] for r in read_metrics(train_dir)] == [2, 4, 5]
+
+
+def test_flex_rows_have_one_length():
+    assert [build.flex_row_length(n) for n in (8, 128, 129, 16384)] == [128, 128, 256, 16384]
+    assert build.resolve_attention("auto", torch.device("cpu")) == "sdpa"
+    assert build.resolve_attention("auto", torch.device("cuda")) == "flex"
+
+
 @pytest.mark.slow
 def test_kill_9_then_resume_continues_the_same_loss_curve(tmp_path, smol_prep, tiny_target):
     args = [f"--prepare.out_dir={smol_prep}", f"--target.model={tiny_target}", "--train.mode=online",

@@ -87,6 +87,35 @@ def test_flex_block_masks_match_sdpa():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
+def test_flex_unroll_with_fixed_key_length_matches_the_naive_loop(monkeypatch):
+    """The flex path as training runs it: every step over T*S keys (padding masked by the step
+    tensor in the mask_mod), FlexAttention run eagerly on the CPU, against the naive loop."""
+    import eyas.draft
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from eyas.train.ttt import flex_masks
+
+    monkeypatch.setattr(eyas.draft, "_flex_call", lambda q, k, v, bm, enable_gqa: flex_attention(
+        q, k, v, block_mask=bm, enable_gqa=enable_gqa))
+    num_steps = 3
+    m = make_draft()
+    samples = make_samples([40, 25, 50])
+    b = pack(samples, num_steps, max_tokens=200, pad_multiple=128)
+    masks = flex_masks(b.doc_BS, num_steps, compile=False)
+    assert all(bm.shape[-1] == num_steps * 128 for bm in masks)
+    with torch.no_grad():  # no FlexAttention backward on CPU
+        outs = ttt_forward(m, b.aux_BSKD, b.input_ids_BS, b.pos_BS, masks)
+    start = 0
+    for smp in samples:
+        L = smp["input_ids"].numel()
+        ref_TSD = naive_ttt(m, smp["aux"], smp["input_ids"], num_steps)
+        for i in range(num_steps):
+            rows = max(0, L - 1 - i)
+            torch.testing.assert_close(outs[i][0, start : start + rows], ref_TSD[i, :rows], rtol=1e-9, atol=1e-9)
+        start += L
+
+
 def test_gather_indices_align_rows_teacher_and_mask():
     samples = make_samples([9, 3, 12], seed=1)
     T = 4

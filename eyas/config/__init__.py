@@ -36,6 +36,9 @@ class EyasConfig:
     """Seed for every random choice (shuffles, splits, initialisation, sampling)."""
     note: str = ""
     """A note `eyas run` prints with its summary (what the recipe is for, what it is not)."""
+    stop_after: str = ""
+    """`eyas run` only: stop after this stage (regenerate, prepare, extract, train, export); the next
+    `eyas run` of the same recipe skips what is done and continues. For machines lent in slots."""
     target: TargetConfig = field(default_factory=TargetConfig)
     """The target model every stage works for."""
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
@@ -55,6 +58,8 @@ class EyasConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.run_dir), "run_dir is empty")
+        stages = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
+        require(self.stop_after in ("",) + stages, f"stop_after={self.stop_after!r}: choose one of {', '.join(stages)}")
 
     def stage_dir(self, stage: str) -> Path:
         """The output directory of `stage`: its own out_dir, else RUN_DIR/stage."""

@@ -48,10 +48,25 @@ class EvaluateConfig:
     measure_speedup: bool = True
     """Time target-only decoding on the same prompts and device (warm-up excluded) and report the
     wall-clock speedup. Under greedy with lossless_check the baseline runs anyway."""
+    cuda_graphs: bool = True
+    """On CUDA: fixed-size KV caches and CUDA graphs for the target's verify/decode forwards, the
+    draft's step 0 and its greedy chain (eyas/spec/static.py), for target-only decoding too.
+    Without them every forward pays hundreds of kernel launches. false = transformers'
+    DynamicCache, eagerly (the reference path; always used on CPU)."""
+    max_context: int = 4096
+    """Static caches: slots per sequence (prompt + new tokens + one round's drafts); a longer
+    generation fails naming this key."""
+    max_seconds: float = 0.0
+    """Wall-clock budget of the decoding (0 = none). Questions are taken in order, each decoded by
+    every decoder (target-only, chain, tree) before the next; after the first, no question is
+    started when the time used plus the longest question so far would exceed the budget. The
+    results say how many questions were evaluated (`num_questions`, `stopped_early`)."""
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/evaluate."""
 
     def __post_init__(self) -> None:
+        require(self.max_context >= 16, f"evaluate.max_context={self.max_context} must be >= 16")
+        require(self.max_seconds >= 0, f"evaluate.max_seconds={self.max_seconds} must be >= 0 (0 = no budget)")
         require(bool(self.bench), "evaluate.bench is empty: give `mtbench` or a JSONL file of prompts")
         require(self.num_questions >= 0, f"evaluate.num_questions={self.num_questions} must be >= 0 (0 = all)")
         require(self.max_new_tokens >= 1, f"evaluate.max_new_tokens={self.max_new_tokens} must be >= 1")

@@ -24,11 +24,25 @@ class RegenerateConfig:
     max_prompt_tokens: int = 2048
     """A turn whose prompt (the conversation so far) is longer stops the conversation there."""
     batch_size: int = 64
-    """hf backend: prompts generated together (sorted by length)."""
+    """hf backend: prompts generated together (sorted by length). With the static cache every
+    batch has exactly this many rows (short ones are filled up), so it compiles once per width."""
+    static_widths: list[int] = field(default_factory=list)
+    """hf backend with the static cache: the prompt widths (left-padded) batches are padded to; a
+    batch takes the smallest that fits, and its KV buffers hold width + max_new_tokens slots per
+    row (attention reads them all, so small widths decode faster). Empty = [512, max_prompt_tokens]."""
+    max_turns: int = 0
+    """Regenerate at most this many assistant turns per conversation; the conversation ends after
+    its last regenerated answer (0 = all turns). Late rounds hold few conversations, so a cap
+    trades the long tail of a multi-turn set for throughput."""
+    max_seconds: float = 0.0
+    """Wall-clock budget (0 = none): after the first chunk, no new chunk is started when the time
+    used plus the longest chunk so far would exceed it. What was written stays (the count is reported and recorded in
+    meta.json as `stopped_early`); a later run with a larger budget continues from there."""
     chunk_conversations: int = 256
     """Conversations regenerated (all their turns) and then written together; the resume unit."""
     static_cache: bool = True
-    """hf backend on CUDA: a static KV cache compiled by transformers (much faster after ~40 s of compilation)."""
+    """hf backend on CUDA: eyas's batched decoder, fixed-size KV buffers and the decode step as one CUDA
+    graph (eyas/spec/static.py BatchDecoder); false = transformers `generate` with its dynamic cache."""
     device: str = ""
     """hf backend device (empty = cuda if available, else cpu)."""
     server_url: str = "http://127.0.0.1:8000"
@@ -51,6 +65,9 @@ class RegenerateConfig:
         require(self.max_new_tokens >= 1, f"regenerate.max_new_tokens={self.max_new_tokens} must be >= 1")
         require(self.temperature >= 0, f"regenerate.temperature={self.temperature} must be >= 0")
         require(0 < self.top_p <= 1, f"regenerate.top_p={self.top_p} must lie in (0, 1]")
+        require(all(w >= 8 for w in self.static_widths), f"regenerate.static_widths={self.static_widths}: widths must be >= 8")
+        require(self.max_turns >= 0, f"regenerate.max_turns={self.max_turns} must be >= 0 (0 = all)")
+        require(self.max_seconds >= 0, f"regenerate.max_seconds={self.max_seconds} must be >= 0 (0 = no budget)")
         require(self.batch_size >= 1, f"regenerate.batch_size={self.batch_size} must be >= 1")
         require(self.chunk_conversations >= 1, f"regenerate.chunk_conversations={self.chunk_conversations} must be >= 1")
         require(self.concurrency >= 1, f"regenerate.concurrency={self.concurrency} must be >= 1")

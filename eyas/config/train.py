@@ -37,6 +37,10 @@ class TrainConfig:
     """Passes over the training split."""
     max_steps: int = 0
     """Stop after this many optimizer steps (0 = epochs x batches per epoch)."""
+    max_seconds: float = 0.0
+    """Wall-clock budget of the training loop (0 = none): at the first logging step past it,
+    training stops early, checks, saves and writes `final` as at the end (meta.json records the
+    steps done and `stopped_early`). The learning-rate schedule still spans the planned steps."""
     max_tokens: int = 8192
     """Token budget of one micro-batch on one rank: samples (shuffled per epoch) are packed into one
     row until the next one would exceed it; a sample longer than the budget is truncated to it."""
@@ -45,8 +49,9 @@ class TrainConfig:
     distributions of a whole window are held at once (rows x W fp32 per micro-batch), so prefer a
     larger max_tokens to a large grad_accum."""
     pad_multiple: int = 0
-    """Pad each packed micro-batch to a multiple of this many tokens (0 = 128 with flex attention,
-    else no padding). Padding never enters the loss."""
+    """Pad each packed micro-batch to a multiple of this many tokens (0 = with flex attention every
+    row padded to max_tokens rounded up to 128, one shape that compiles once; else no padding).
+    Padding never enters the loss."""
     precision: str = "auto"
     """auto (bf16 autocast on GPU, fp32 on CPU), bf16 (autocast; master weights and optimizer stay
     fp32) or fp32."""
@@ -56,9 +61,10 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the draft's decoder step (GPU)."""
     attention: str = "auto"
-    """TTT attention kernel: sdpa (explicit boolean mask), flex (FlexAttention block mask, CUDA; fast
-    on fixed-length rows, see BENCHMARKS.md, but its first step on packed rows of varying length did
-    not finish in 200 s on an H200) or auto (sdpa, until flex is fixed for varying lengths)."""
+    """TTT attention kernel: sdpa (explicit boolean [S, (i+1)S] masks: memory and time quadratic in
+    the row length, fine for CPU-sized rows), flex (FlexAttention block masks that skip empty tiles,
+    CUDA only; rows padded to one fixed length, compiled once, about a minute) or auto (flex on
+    CUDA, sdpa on CPU)."""
     teacher_chunk: int = 1024
     """Tokens per chunk when applying the target's lm_head to the final hidden states, so the
     V-wide logits never exist for the whole batch."""
@@ -120,6 +126,7 @@ class TrainConfig:
         require(self.grad_clip >= 0, f"train.grad_clip={self.grad_clip} must be >= 0 (0 = off)")
         require(self.epochs >= 1, f"train.epochs={self.epochs} must be >= 1")
         require(self.max_steps >= 0, f"train.max_steps={self.max_steps} must be >= 0")
+        require(self.max_seconds >= 0, f"train.max_seconds={self.max_seconds} must be >= 0 (0 = no budget)")
         require(self.max_tokens >= 8, f"train.max_tokens={self.max_tokens} is too small (>= 8)")
         require(self.grad_accum >= 1, f"train.grad_accum={self.grad_accum} must be >= 1")
         require(self.pad_multiple >= 0, f"train.pad_multiple={self.pad_multiple} must be >= 0")

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eyas.capture import HiddenStateCapture
-from eyas.spec.cache import DraftCache, crop, keep_positions
+from eyas.spec.cache import DraftCache, cache_length, crop, keep_positions
 from eyas.spec.propose import draft_chain, draft_tree, extend
 from eyas.spec.sampling import (
     accept_greedy_chain,
@@ -61,6 +61,10 @@ class SpecParams:
         assert self.mode in MODES, self.mode
         assert min(self.num_draft_tokens, self.tree_total_tokens, self.tree_depth, self.tree_top_k) >= 1
         assert self.temperature >= 0
+
+    def max_round_tokens(self) -> int:
+        """Most target-cache entries one verify pass appends (root + drafts)."""
+        return 1 + (self.num_draft_tokens if self.mode == "chain" else self.tree_total_tokens)
 
 
 @dataclass
@@ -165,52 +169,92 @@ def _cut(new: list[int], max_new_tokens: int, stop_ids: frozenset[int]) -> list[
     return new
 
 
-def chain_round(target, draft, cache, dcache, capture, tokens, h_11D, params: SpecParams, generator) -> Round:
+class EagerTarget:
+    """The target with a transformers DynamicCache: the reference path (any device)."""
+
+    def __init__(self, target, capture: HiddenStateCapture | None):
+        self.target, self.capture, self.cache = target, capture, new_cache(target)
+
+    def forward(self, ids_S, pos_S, mask_SS=None, logits_to_keep: int = 0):
+        """Append S tokens; every cached entry is visible to them, and among themselves `mask_SS`
+        (bool, True = attend; None = causal). -> (logits, aux [S, K, D] or None)."""
+        mask_SP = None
+        if mask_SS is not None:
+            cached = cache_length(self.cache)
+            mask_SP = torch.cat([torch.ones(mask_SS.shape[0], cached, dtype=torch.bool, device=mask_SS.device), mask_SS], 1)
+        return target_forward(self.target, ids_S, pos_S, self.cache, self.capture, mask_SP, logits_to_keep)
+
+    def keep(self, prefix: int, kept: list[int] | None, n: int) -> None:
+        """Keep entries 0..prefix-1 and, of those appended after them, `kept` (None = the first n)."""
+        if kept is None:
+            crop(self.cache, prefix + n)
+            return
+        device = self.target.device
+        keep_positions(self.cache, torch.cat([torch.arange(prefix, device=device), prefix + torch.tensor(kept, device=device)]))
+
+
+class EagerDrafter:
+    """The draft with a growing DraftCache (eyas.spec.propose as is)."""
+
+    def __init__(self, draft, dcache=None):
+        self.draft, self.dcache = draft, dcache if dcache is not None else DraftCache()
+
+    def extend(self, next_tokens_S, aux_SKD, start_pos: int):
+        return extend(self.draft, self.dcache, next_tokens_S, aux_SKD, start_pos)
+
+    def chain(self, h_11D, last_pos: int, params: "SpecParams", generator):
+        out = draft_chain(self.draft, self.dcache, h_11D, last_pos, params.num_draft_tokens, params.temperature, generator)
+        self.dcache.rollback()
+        return out
+
+    def tree(self, h_11D, root: int, last_pos: int, params: "SpecParams"):
+        tree = draft_tree(self.draft, self.dcache, h_11D, root, last_pos, params.tree_top_k, params.tree_depth,
+                          params.tree_total_tokens)
+        self.dcache.rollback()
+        return tree
+
+
+def chain_round(tgt, drafter, draft, tokens, h_11D, params: SpecParams, generator) -> Round:
     """Draft K tokens after the root tokens[-1], verify them in one causal forward, accept."""
     device, L = h_11D.device, len(tokens)
     t0 = clock(device)
-    drafts_K, q_KW = draft_chain(draft, dcache, h_11D, L - 2, params.num_draft_tokens, params.temperature, generator)
-    dcache.rollback()
+    drafts_K, q_KW = drafter.chain(h_11D, L - 2, params, generator)
     t1 = clock(device)
     k = drafts_K.shape[0]
     ids_K1 = torch.cat([torch.tensor([tokens[-1]], device=device), drafts_K])
     pos_K1 = torch.arange(L - 1, L + k, device=device)
-    logits_K1V, aux_K1KD = target_forward(target, ids_K1, pos_K1, cache, capture)
+    logits_K1V, aux_K1KD = tgt.forward(ids_K1, pos_K1)
     if params.temperature == 0:
         n, tok = accept_greedy_chain(drafts_K, logits_K1V.argmax(-1))
     else:
         p_K1V = logits_to_probs(logits_K1V, params.temperature)
         q_KV = draft_probs_on_target_vocab(q_KW, draft.d2t, p_K1V.shape[-1])
         n, tok = accept_sampling_chain(drafts_K, p_K1V, q_KV, generator)
-    crop(cache, L + n)  # prefix 0..L-2, the root, n accepted draft tokens
+    tgt.keep(L - 1, None, n + 1)  # prefix 0..L-2, the root, n accepted draft tokens
     emitted = drafts_K[:n].tolist() + [tok]
     return Round(emitted, aux_K1KD[: n + 1], n, min(n + 1, k), t1 - t0, clock(device) - t1)
 
 
-def tree_round(target, draft, cache, dcache, capture, tokens, h_11D, params: SpecParams, generator) -> Round:
+def tree_round(tgt, drafter, draft, tokens, h_11D, params: SpecParams, generator) -> Round:
     """Build an EAGLE-2 tree below the root tokens[-1], verify it in one forward, walk it."""
     device, L = h_11D.device, len(tokens)
     t0 = clock(device)
-    tree = draft_tree(
-        draft, dcache, h_11D, tokens[-1], L - 2, params.tree_top_k, params.tree_depth, params.tree_total_tokens
-    )
-    dcache.rollback()
+    tree = drafter.tree(h_11D, tokens[-1], L - 2, params)
     t1 = clock(device)
     ids_N = torch.tensor(tree.tokens, device=device)
     pos_N = L - 1 + torch.tensor(tree.depths, device=device)
     # the committed prefix is visible to every node; each node sees its ancestors and itself
-    prefix_NP = torch.ones(tree.num_nodes, L - 1, dtype=torch.bool, device=device)
-    mask_NP = torch.cat([prefix_NP, ancestor_mask(tree.parents, device)], dim=1)
-    logits_NV, aux_NKD = target_forward(target, ids_N, pos_N, cache, capture, mask_NP)
+    logits_NV, aux_NKD = tgt.forward(ids_N, pos_N, ancestor_mask(tree.parents, device))
     if params.temperature == 0:
         path, tok = accept_greedy_tree(tree, logits_NV.argmax(-1))
     else:
         path, tok = accept_sampling_tree(tree, logits_NV, params.temperature, generator)
-    kept_N = torch.tensor([0] + path, device=device)
-    keep_positions(cache, torch.cat([torch.arange(L - 1, device=device), L - 1 + kept_N]))
+    kept = [0] + path
+    aux_AKD = aux_NKD[torch.tensor(kept, device=device)]
+    tgt.keep(L - 1, kept, len(kept))
     emitted = [tree.tokens[i] for i in path] + [tok]
     tested = len(path) + (1 if tree.children()[path[-1] if path else 0] else 0)
-    return Round(emitted, aux_NKD[kept_N], len(path), tested, t1 - t0, clock(device) - t1)
+    return Round(emitted, aux_AKD, len(path), tested, t1 - t0, clock(device) - t1)
 
 
 @torch.no_grad()
@@ -228,32 +272,38 @@ def speculative_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     stop_ids=(),
+    engine=None,
 ) -> Generation:
     """Up to `max_new_tokens` new tokens after `input_ids` ([S] or [1, S]): `draft` proposes,
     `target` verifies. Greedy when temperature == 0, and then the output equals `target_generate`'s.
 
     `draft`: an eyas.draft.Eagle3Draft on the target's device, with the target's embedding installed.
+    `engine`: an eyas.spec.static.StaticEngine for this target and draft (fixed-size caches, CUDA
+    graphs on GPUs); None = transformers' DynamicCache and the draft's growing cache.
     """
     params = SpecParams(mode, num_draft_tokens, tree_total_tokens, tree_depth, tree_top_k, temperature)
     if mode == "tree":
         check_tree_attention(target)
     prompt_S = input_ids.reshape(-1)
     device, n_prompt, stops = prompt_S.device, prompt_S.shape[0], frozenset(stop_ids)
-    capture = HiddenStateCapture(target, list(draft.config.aux_layer_ids))
     play_round = chain_round if mode == "chain" else tree_round
-    stats, dcache = SpecStats(), DraftCache()
+    stats = SpecStats()
     t_start = clock(device)
-    cache = new_cache(target)
+    if engine is None:
+        tgt = EagerTarget(target, HiddenStateCapture(target, list(draft.config.aux_layer_ids)))
+        drafter = EagerDrafter(draft)
+    else:
+        tgt, drafter = engine.start(n_prompt + max_new_tokens + params.max_round_tokens())
     pos_S = torch.arange(n_prompt, device=device)
-    logits_1V, aux_AKD = target_forward(target, prompt_S, pos_S, cache, capture, logits_to_keep=1)
+    logits_1V, aux_AKD = tgt.forward(prompt_S, pos_S, logits_to_keep=1)
     tokens = prompt_S.tolist() + [int(next_token(logits_1V[-1], temperature, generator).item())]
     stats.prefill_time_s = clock(device) - t_start
     while not _finished(tokens[n_prompt:], max_new_tokens, stops):
         t0 = clock(device)
-        c = dcache.committed  # step 0 on positions c..L-2: (fc(aux_t), token t+1)
-        h_11D = extend(draft, dcache, torch.tensor(tokens[c + 1 :], device=device), aux_AKD, c)
+        c = drafter.dcache.committed  # step 0 on positions c..L-2: (fc(aux_t), token t+1)
+        h_11D = drafter.extend(torch.tensor(tokens[c + 1 :], device=device), aux_AKD, c)
         stats.draft_time_s += clock(device) - t0
-        r = play_round(target, draft, cache, dcache, capture, tokens, h_11D, params, generator)
+        r = play_round(tgt, drafter, draft, tokens, h_11D, params, generator)
         stats.draft_time_s += r.draft_s
         stats.verify_time_s += r.verify_s
         stats.add_pass(r.num_accepted, r.num_tested)
@@ -272,14 +322,16 @@ def target_generate(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     stop_ids=(),
+    engine=None,
 ) -> Generation:
     """Target-only decoding, one token per forward with a KV cache: the reference output and the
-    baseline time."""
+    baseline time. `engine`: as in `speculative_generate` (the baseline then runs the same kind
+    of cache and graphs as the speculative decoders it is compared with)."""
     prompt_S = input_ids.reshape(-1)
     device, n_prompt, stops = prompt_S.device, prompt_S.shape[0], frozenset(stop_ids)
     t_start = clock(device)
-    cache = new_cache(target)
-    logits_1V, _ = target_forward(target, prompt_S, torch.arange(n_prompt, device=device), cache, logits_to_keep=1)
+    tgt = EagerTarget(target, None) if engine is None else engine.start(n_prompt + max_new_tokens)[0]
+    logits_1V, _ = tgt.forward(prompt_S, torch.arange(n_prompt, device=device), logits_to_keep=1)
     new: list[int] = []
     while True:
         tok = next_token(logits_1V[-1], temperature, generator)
@@ -287,5 +339,5 @@ def target_generate(
         if _finished(new, max_new_tokens, stops):
             break
         pos_1 = torch.tensor([n_prompt + len(new) - 1], device=device)
-        logits_1V, _ = target_forward(target, tok.view(1), pos_1, cache)
+        logits_1V, _ = tgt.forward(tok.view(1), pos_1)
     return Generation(_cut(new, max_new_tokens, stops), clock(device) - t_start)

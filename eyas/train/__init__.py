@@ -71,7 +71,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
         train_idx, eval_idx = build.splits(cfg, data)
         sched = Schedule(tc, train_idx, data.lengths, cfg.seed, rank, world_size)
         tr, dcfg = build.build_trainer(cfg, data, device, rank, world_size, sched.total)
-        pad = tc.pad_multiple or (128 if tr.attention == "flex" else 0)
+        pad = tc.pad_multiple or (build.flex_row_length(tc.max_tokens) if tr.attention == "flex" else 0)
         workers = tc.num_workers if tc.num_workers >= 0 else (2 if device.type == "cuda" else 0)
         eval_plans = epoch_batches(eval_idx, data.lengths, tc.max_tokens, cfg.seed, 0, rank, world_size, shuffle=False)
         eval_fn = (lambda: batch_loader(data.source, eval_plans, tc.ttt_steps, tc.max_tokens, pad, workers,
@@ -88,7 +88,8 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
         checkpoint.write_draft(state, dcfg, final)
         meta = dict(
             config=to_dict(cfg), target=describe_target(cfg.target), inputs=data.inputs, draft=dcfg.to_dict(),
-            counts={"train_samples": len(train_idx), "eval_samples": len(eval_idx), "steps": sched.total,
+            counts={"train_samples": len(train_idx), "eval_samples": len(eval_idx), "steps": metrics["steps_done"],
+                    "planned_steps": sched.total, "stopped_early": metrics["stopped_early"],
                     "world_size": world_size, "trainable_parameters": tr.draft.num_trainable_parameters()},
             metrics={
                 "acc_T": metrics["train"].get("acc_T"), "tau": metrics["train"].get("tau"),

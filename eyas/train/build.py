@@ -112,14 +112,21 @@ def draft_config(cfg: EyasConfig, data: TrainData) -> DraftConfig:
 
 
 def resolve_attention(kind: str, device: torch.device) -> str:
-    # auto -> sdpa everywhere for now: on one H200 (2026-11-29) the flex path ran the fixed-length
-    # bench (2048-token rows) at 45% MFU but did not finish its first step within 200 s on packed
-    # rows of varying length (SmolLM2 draft, max_tokens 16384); sdpa trained at ~13k tok/s there.
+    """auto -> flex on CUDA (block-sparse, every micro-batch padded to one fixed length so the
+    kernels compile once), sdpa on CPU (FlexAttention needs a GPU here)."""
     if kind == "auto":
-        return "sdpa"
+        return "flex" if device.type == "cuda" else "sdpa"
     if kind == "flex" and device.type != "cuda":
         raise ConfigError("--train.attention=flex needs a CUDA device; use sdpa (or auto) on CPU")
     return kind
+
+
+def flex_row_length(max_tokens: int) -> int:
+    """The one row length of every micro-batch under flex attention: max_tokens rounded up to a
+    multiple of 128 (FlexAttention's block). A fixed shape compiles the TTT kernels once; rows of
+    varying length recompiled them for every new length (on one H200 the first step of a SmolLM2
+    draft on packed ShareGPT rows had not finished after 200 s)."""
+    return -(-max_tokens // 128) * 128
 
 
 def build_trainer(

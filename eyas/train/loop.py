@@ -278,6 +278,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     last_train: dict[str, Any] = {}
     last_eval: dict[str, Any] = {}
     step, epoch = start, sched.position(start)[0]
+    end, t_fit = sched.total, time.perf_counter()
     tr.model.train()
     for step, epoch, batches in micro_batches(tr, sched, source, start, pad_multiple, num_workers):
         out_s = train_step(tr, batches, step)
@@ -300,18 +301,32 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
                       f"{last_train['tokens_per_s']:.0f} tok/s", flush=True)
             acc = {k: v.clone() for k, v in zero.items()}
             tokens, norms, t0 = 0, [], time.perf_counter()
+            if tc.max_seconds and done < sched.total and out_of_time(tr, t_fit, tc.max_seconds):
+                end = done
+                if tr.rank == 0:
+                    print(f"[eyas:train] train.max_seconds={tc.max_seconds:g} reached: stopping at step {done} of "
+                          f"{sched.total}", flush=True)
+                break
         if eval_loader_fn is not None and tc.eval_every and done % tc.eval_every == 0 and done < sched.total:
             last_eval = dict(step=done, epoch=epoch, split="eval", **evaluate(tr, eval_loader_fn(), tc.eval_max_batches))
             log.write(last_eval)
         if tc.save_every and done % tc.save_every == 0 and done < sched.total:
             save(tr, ckpt_root, done, sched, draft_cfg)
     if eval_loader_fn is not None:
-        last_eval = dict(step=sched.total, epoch=epoch, split="eval", **evaluate(tr, eval_loader_fn(), tc.eval_max_batches))
+        last_eval = dict(step=end, epoch=epoch, split="eval", **evaluate(tr, eval_loader_fn(), tc.eval_max_batches))
         log.write(last_eval)
-    if start < sched.total or not checkpoint.checkpoints(ckpt_root):
-        save(tr, ckpt_root, sched.total, sched, draft_cfg)
+    if start < end or not checkpoint.checkpoints(ckpt_root):
+        save(tr, ckpt_root, end, sched, draft_cfg)
     log.close()
-    return {"train": last_train, "eval": last_eval}
+    return {"train": last_train, "eval": last_eval, "steps_done": end, "stopped_early": end < sched.total}
+
+
+def out_of_time(tr: Trainer, t_start: float, budget_s: float) -> bool:
+    """Rank 0's clock decides for every rank (called at a logging step, already a sync point)."""
+    flag = torch.tensor(float(time.perf_counter() - t_start > budget_s), device=tr.device)
+    if tr.world_size > 1:
+        torch.distributed.broadcast(flag, src=0)
+    return bool(flag.item())
 
 
 def save(tr: Trainer, ckpt_root: Path, step: int, sched: Schedule, draft_cfg: DraftConfig) -> None:

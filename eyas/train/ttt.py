@@ -57,13 +57,16 @@ def sdpa_masks(doc_BS: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
     return [torch.cat([block0_BSS] + [eye_BSS] * i, dim=-1) for i in range(num_steps)]
 
 
-def ttt_mask_mod(doc_BS: torch.Tensor, s: int):
-    """FlexAttention mask_mod over keys cat(step 0, ..., step i), each block S long."""
+def ttt_mask_mod(doc_BS: torch.Tensor, s: int, step: torch.Tensor | None = None):
+    """FlexAttention mask_mod over keys cat(step 0, ..., step i), each block S long. With `step`
+    (a 0-d tensor = i) the keys may run on past block i (padding up to T blocks): blocks after
+    step i are masked."""
 
     def mask_mod(b, h, q, kv):
         blk, r = kv // s, kv % s
         first = (r <= q) & (doc_BS[b, q] == doc_BS[b, r])
-        return torch.where(blk == 0, first, r == q)
+        later = r == q if step is None else (r == q) & (blk <= step)
+        return torch.where(blk == 0, first, later)
 
     return mask_mod
 
@@ -72,10 +75,13 @@ _block_mask_compiled = None
 
 
 def flex_masks(doc_BS: torch.Tensor, num_steps: int, compile: bool = True) -> list:
-    """FlexAttention BlockMasks with the same semantics as `sdpa_masks` (S a multiple of 128).
+    """FlexAttention BlockMasks with the semantics of `sdpa_masks` (S a multiple of 128), every
+    step over the same key length T*S: step i's keys are padded past block i (`ttt_forward` does
+    it), the padding is masked, and its tiles are skipped. One shape for all steps compiles the
+    attention kernels once (forward and backward) instead of once per step length.
 
-    create_block_mask is compiled once; the mask_mod closes over this batch's `doc_BS`, which does
-    not recompile (dynamo guards the closure's code and tensor metadata, not its identity)."""
+    create_block_mask is compiled once; the mask_mod closes over this batch's `doc_BS` and a 0-d
+    step tensor, which do not recompile (dynamo guards the closure's code and tensor metadata)."""
     global _block_mask_compiled
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -83,8 +89,12 @@ def flex_masks(doc_BS: torch.Tensor, num_steps: int, compile: bool = True) -> li
         _block_mask_compiled = torch.compile(create_block_mask)
     make = _block_mask_compiled if compile else create_block_mask
     b, s = doc_BS.shape
-    mod = ttt_mask_mod(doc_BS, s)
-    return [make(mod, b, None, s, (i + 1) * s, device=doc_BS.device) for i in range(num_steps)]
+    out = []
+    for i in range(num_steps):
+        mod = ttt_mask_mod(doc_BS, s, torch.tensor(i, device=doc_BS.device))
+        out.append(make(mod, b, None, s, num_steps * s, device=doc_BS.device) if compile
+                   else make(mod, b, None, s, num_steps * s, device=doc_BS.device, _compile=False))
+    return out
 
 
 def ttt_forward(
@@ -97,11 +107,12 @@ def ttt_forward(
     """-> [prenorm_BSD of step i for i < T], T = len(masks) (from `sdpa_masks` or `flex_masks`)."""
     h_BSD = draft.fuse(aux_BSKD)
     keys, values, outs = [], [], []
+    kv_len = len(masks) * input_ids_BS.shape[1] if type(masks[0]).__name__ == "BlockMask" else 0
     for i, mask in enumerate(masks):
         ids_BS = shift_left(input_ids_BS, 1 + i, 0)
         past_k = torch.cat(keys, dim=2) if keys else None
         past_v = torch.cat(values, dim=2) if values else None
-        h_BSD, k_BHSd, v_BHSd = draft.forward_step(ids_BS, h_BSD, pos_BS + i, past_k, past_v, mask)
+        h_BSD, k_BHSd, v_BHSd = draft.forward_step(ids_BS, h_BSD, pos_BS + i, past_k, past_v, mask, kv_len)
         keys.append(k_BHSd)
         values.append(v_BHSd)
         outs.append(h_BSD)
