@@ -47,6 +47,39 @@ from eyas.spec.verify import _cache_kwarg, new_cache
 GRAPH_MAX_TOKENS = 128
 """Target forwards and draft step-0 extensions of at most this many tokens run as CUDA graphs."""
 
+SLOT_ATTENTION = "eyas_slots"
+"""The attention implementation the static paths switch their target to (transformers'
+AttentionInterface, the public extension point; not a rewritten forward)."""
+
+
+def slot_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Short queries (decode, verify) over many cached slots with grouped key/value heads: the g
+    query heads that share a key/value head ride along the query axis ([B, Hkv, g*S, d]), so the
+    keys and values are read once instead of being repeated g times per head first (what the
+    stock SDPA path does whenever a mask is given). Anything else goes to transformers' SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, h, s, d = query.shape
+    hkv = key.shape[1]
+    if attention_mask is None or s > GRAPH_MAX_TOKENS or h == hkv or h % hkv or dropout or kwargs.get("softcap"):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    g = h // hkv
+    q = query.reshape(b, hkv, g * s, d)  # head a*g + j, token t -> row j*s + t of kv head a
+    mask = attention_mask.repeat(1, 1, g, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, h, s, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def use_slot_attention(model) -> None:
+    """Register `slot_attention` (once) and switch `model` to it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(SLOT_ATTENTION, slot_attention)
+    AttentionMaskInterface.register(SLOT_ATTENTION, sdpa_mask)
+    if getattr(model.config, "_attn_implementation", None) != SLOT_ATTENTION:
+        model.set_attn_implementation(SLOT_ATTENTION)
+
 
 class SlotCache:
     """A KV cache of fixed buffers behind transformers' cache interface (`update`, `get_seq_length`).
@@ -130,6 +163,7 @@ class StaticTarget:
     def __init__(self, target, layer_ids: list[int], max_len: int, graphs: _Graphs):
         for layer in new_cache(target).layers:  # sliding-window / linear-attention layers: refuse
             _check_full_attention(layer)
+        use_slot_attention(target)
         self.target, self.graphs, self.max_len = target, graphs, max_len
         self.device = target.get_input_embeddings().weight.device
         self.dtype = target.get_input_embeddings().weight.dtype
@@ -403,6 +437,9 @@ class BatchDecoder:
     """
 
     def __init__(self, model, rows: int, width: int, max_new: int, graphs: bool = True, check_every: int = 16):
+        for layer in new_cache(model).layers:  # sliding-window / linear-attention layers: refuse
+            _check_full_attention(layer)
+        use_slot_attention(model)
         self.model, self.rows, self.width, self.max_new = model, rows, width, max_new
         self.device = model.get_input_embeddings().weight.device
         self.dtype = model.get_input_embeddings().weight.dtype

@@ -19,7 +19,7 @@ import torch
 
 from eyas.errors import EyasError
 
-TREE_ATTENTION = ("eager", "sdpa")
+TREE_ATTENTION = ("eager", "sdpa", "eyas_slots")  # eyas_slots: eyas.spec.static (falls back to sdpa)
 
 
 @lru_cache(maxsize=None)
