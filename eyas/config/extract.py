@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from eyas.config.base import require
 
-BACKENDS = ("hf",)
+BACKENDS = ("hf", "vllm")
 STORE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICE_MAPS = ("", "auto", "balanced", "sequential")
 
@@ -42,7 +42,32 @@ class ExtractConfig:
     attn_implementation: str = ""
     """transformers attention implementation (sdpa, eager, flash_attention_2, ...); empty = transformers' default."""
     backend: str = "hf"
-    """Extraction backend; `hf` (transformers). The writer, index and resume code do not depend on it."""
+    """Extraction backend: `hf` (transformers, this process's device) or `vllm` (vLLM's offline engine,
+    its own parallelism; run eyas from a venv with vLLM, README "vLLM backend"). The writer, index,
+    checksums and resume code do not depend on it."""
+    vllm_tensor_parallel_size: int = 1
+    """vLLM backend: GPUs the target's layers are split over (vLLM `tensor_parallel_size`)."""
+    vllm_pipeline_parallel_size: int = 1
+    """vLLM backend: pipeline stages (vLLM `pipeline_parallel_size`); GPUs used = TP x PP."""
+    vllm_enable_expert_parallel: bool = False
+    """vLLM backend: shard MoE experts instead of tensor-splitting them (vLLM `enable_expert_parallel`;
+    the expert-parallel size is then TP x DP, vLLM has no separate knob)."""
+    vllm_max_model_len: int = 0
+    """vLLM backend: the engine's context length; 0 = the longest prepared sample + 1 (the engine
+    samples one token after each prompt)."""
+    vllm_gpu_memory_utilization: float = 0.9
+    """vLLM backend: fraction of each GPU vLLM may take (weights, activations, hidden-state cache)."""
+    vllm_engine_args: dict = field(default_factory=dict)
+    """vLLM backend: any other `vllm.LLM(...)` keyword arguments, applied last, e.g.
+    `--extract.vllm_engine_args.max_num_batched_tokens=16384`."""
+    vllm_parity: int = 2
+    """vLLM backend: samples of the first batch compared with the HF reference forward (transformers
+    on CPU, loaded at the first check; extract.verify adds more); 0 = none, for targets whose
+    weights do not fit in host memory."""
+    vllm_scratch_dir: str = ""
+    """vLLM backend: the engine writes one safetensors file per request into DIR/vllm-scratch, read
+    back and deleted within the batch; empty = the output directory. A tmpfs (/dev/shm) saves disk
+    traffic when it holds a few batches."""
     max_samples: int = 0
     """Extract only the first N samples of the prepare output (0 = all)."""
     writer_queue: int = 3
@@ -75,3 +100,16 @@ class ExtractConfig:
         require(self.backend in BACKENDS, f"extract.backend={self.backend!r}: choose one of {', '.join(BACKENDS)}")
         require(self.max_samples >= 0, f"extract.max_samples={self.max_samples} must be >= 0")
         require(self.writer_queue >= 1, f"extract.writer_queue={self.writer_queue} must be >= 1")
+        for key in ("vllm_tensor_parallel_size", "vllm_pipeline_parallel_size"):
+            require(getattr(self, key) >= 1, f"extract.{key}={getattr(self, key)} must be >= 1")
+        require(self.vllm_max_model_len >= 0,
+                f"extract.vllm_max_model_len={self.vllm_max_model_len} must be >= 0 (0 = auto)")
+        require(0 < self.vllm_gpu_memory_utilization <= 1,
+                f"extract.vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must lie in (0, 1]")
+        require(self.vllm_parity >= 0, f"extract.vllm_parity={self.vllm_parity} must be >= 0")
+        if self.backend == "vllm":
+            hf_only = {"device_map": self.device_map, "attn_implementation": self.attn_implementation,
+                       "compile": self.compile, "pack": self.pack}
+            used = [k for k, v in hf_only.items() if v]
+            require(not used, f"extract.{', extract.'.join(used)} configure the hf backend; with extract.backend=vllm "
+                              "leave them unset (vLLM has its own kernels and placement: extract.vllm_*)")

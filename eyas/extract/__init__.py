@@ -32,6 +32,10 @@ How it runs:
   `extract.allow_failures=true`.
 * **Resume**: shards are atomic and journalled (store.py); re-running the same command skips every
   sample already stored, whatever happened to the previous run (kill -9 included).
+* **Backends**: `extract.backend=hf` (transformers, above) or `vllm`: vLLM's offline engine with its
+  own tensor/pipeline/expert parallelism, one process, for targets only vLLM runs fast enough
+  (extract/vllm_backend.py). Both hand the loop the same states per batch; the writer, index,
+  checksums, meta and resume code are shared, so the trainer cannot tell them apart.
 * **Scale**: under torchrun each rank extracts a disjoint, length-balanced share into its own
   shards; rank 0 merges one index at the end. A target too large for one GPU is split over the
   process's visible GPUs with `extract.device_map=auto` (accelerate's big-model placement; one
@@ -55,7 +59,7 @@ from eyas import artifacts, distributed
 from eyas.capture import check_layer_ids, default_layer_ids
 from eyas.config import EyasConfig, dump_config, to_dict
 from eyas.errors import ConfigError, DataError, EyasError, exception_message, record_error
-from eyas.extract import plan, store
+from eyas.extract import plan, store, vllm_backend  # vllm_backend imports vLLM only when it starts an engine
 from eyas.extract.backend import HFBackend, check_parity, default_tolerance
 from eyas.extract.profile import NULL_TIMER, NullTimer
 from eyas.extract.writer import Failures, HostCopier, Writer
@@ -109,7 +113,13 @@ def preflight(cfg: EyasConfig, device: torch.device, world_size: int, rank: int 
         raise DataError(f"{prepared.dir} holds token ids >= the target vocab size {conf.vocab_size}: re-run `eyas prepare`")
     if ec.device_map and world_size > 1:
         raise ConfigError("extract.device_map splits one target over the GPUs of one process; run it without torchrun")
+    if ec.backend == "vllm" and world_size > 1:
+        raise ConfigError("extract.backend=vllm runs one process that spreads the target over the GPUs itself "
+                          "(--extract.vllm_tensor_parallel_size, _pipeline_parallel_size): run it without torchrun")
     longest = int(prepared.lengths.max())
+    if ec.backend == "vllm":
+        vllm_backend.max_model_len(ec, longest)  # ConfigError when too short, before any engine starts
+        vllm_backend.check_reference_memory(cfg)
     if longest > ec.token_budget:
         raise ConfigError(f"the longest sample has {longest} tokens, more than extract.token_budget={ec.token_budget}: "
                           f"raise it to >= {longest}")
@@ -127,6 +137,8 @@ def preflight(cfg: EyasConfig, device: torch.device, world_size: int, rank: int 
         "prepare_hashes": prepared.meta.get("hashes", {}),
         "prepare_tokens": int(prepared.offsets[-1]),
     }
+    if ec.backend != "hf":  # only then: partial runs made before backends existed stay resumable
+        fingerprint["backend"] = ec.backend
     store.check_run(out, fingerprint)
     n = min(len(prepared), ec.max_samples) if ec.max_samples else len(prepared)
     entries = store.read_journals(out)
@@ -166,6 +178,8 @@ def _check_disk(s: Setup, rank: int, world_size: int, n: int) -> None:
 
 
 def make_backend(cfg: EyasConfig, setup: Setup, device: torch.device):
+    if cfg.extract.backend == "vllm":
+        return vllm_backend.make_vllm_backend(cfg, setup, int(setup.prepared.lengths.max()))
     model = load_model(cfg.target, device=None if cfg.extract.device_map else device,
                        device_map=cfg.extract.device_map or None,
                        attn_implementation=cfg.extract.attn_implementation or None)
@@ -198,6 +212,9 @@ def forward_batch(backend, batch: plan.Batch, tokens: list[torch.Tensor], failur
     retried sample by sample and the samples that fail again get zero rows (left out of the index)."""
     try:
         return backend.forward(batch, tokens, timer=timer), []
+    except vllm_backend.EngineDied as e:  # no engine left to retry on: recorded, then the run stops
+        failures.record(e, batch.indices, count=False, phase="vllm engine")
+        raise
     except Exception as e:  # recorded with type, message, traceback; raised on unless failures are allowed
         failures.record(e, batch.indices, count=failures.limit == 0, retry="per sample")
     parts, failed = [], []
@@ -223,7 +240,8 @@ def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: 
     --profile) times each phase; the stage runs with NULL_TIMER."""
     ec, lengths = cfg.extract, setup.prepared.lengths
     mine = plan.rank_slice(setup.remaining, lengths, rank, world_size)
-    batches = plan.make_batches(mine, lengths, ec.token_budget, ec.max_batch_size, ec.pack)
+    # vLLM schedules its own batches: a "batch" is one submission of <= token_budget real tokens (packed)
+    batches = plan.make_batches(mine, lengths, ec.token_budget, ec.max_batch_size, ec.pack or ec.backend == "vllm")
     shards = plan.group_shards(batches, setup.bytes_per_token, ec.shard_bytes)
     summary = {"rank": rank, "samples": len(mine), "tokens": sum(b.num_tokens for b in batches),
                "padded_tokens": sum(b.padded_tokens for b in batches), "batches": len(batches),
@@ -243,15 +261,21 @@ def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: 
         smoke_test(backend, setup, mine[-1], rank)
     tol = ec.parity_tol or max(default_tolerance(setup.compute_dtype), default_tolerance(setup.store_dtype))
     later = [i for b in batches[1:] for i in b.indices]
-    verify = set(batches[0].indices) | {later[round(j * (len(later) - 1) / max(ec.verify - 1, 1))]
-                                         for j in range(min(ec.verify, len(later)))}
+    first = batches[0].indices if ec.backend == "hf" else batches[0].indices[: ec.vllm_parity]  # vs a CPU reference
+    verify = set(first) | {later[round(j * (len(later) - 1) / max(ec.verify - 1, 1))]
+                           for j in range(min(ec.verify, len(later)))}
     bar = _progress(ec.progress and rank == 0, summary["tokens"])
     writer.start()
     done = 0
     try:
         with timer.gpu("batches (all phases of the main stream)"):
-            for batch in batches:
+            ahead = backend.submit if ec.backend == "vllm" else None  # the engine runs batch j+1 while j is read
+            if ahead is not None:
+                ahead(batches[0], [setup.prepared[i]["input_ids"] for i in batches[0].indices])
+            for j, batch in enumerate(batches):
                 tokens = [setup.prepared[i]["input_ids"] for i in batch.indices]
+                if ahead is not None and j + 1 < len(batches):
+                    ahead(batches[j + 1], [setup.prepared[i]["input_ids"] for i in batches[j + 1].indices])
                 states_TKD, failed = forward_batch(backend, batch, tokens, failures, timer)
                 check = verify.intersection(batch.indices) - set(failed)
                 if check:
@@ -281,6 +305,8 @@ def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: 
         timer.add(f"writers: {name}", seconds)
     summary.update(failed=sorted(failures.samples), seconds=round(time.perf_counter() - t0, 3),
                    bytes=writer.bytes_written)
+    if ec.backend == "vllm":
+        summary["vllm"] = {k: round(v, 3) for k, v in backend.stats.items()}
     return summary
 
 
@@ -335,6 +361,10 @@ def finalize(cfg: EyasConfig, setup: Setup, summaries: list[dict[str, Any]]) -> 
                      "parity_checked": sum(s["parity_checked"] for s in summaries),
                      "parity_max_error": max((s["parity_max_error"] for s in summaries), default=0.0)},
     }
+    extra: dict[str, Any] = {}
+    if cfg.extract.backend == "vllm":
+        counts["this_run"]["vllm"] = summaries[0].get("vllm", {})
+        extra["versions"] = {**artifacts.library_versions(), "vllm": vllm_backend.vllm_version()}
     meta = artifacts.write_meta(
         out, "extract",
         config={"target": to_dict(cfg.target), "extract": to_dict(cfg.extract)},
@@ -349,6 +379,8 @@ def finalize(cfg: EyasConfig, setup: Setup, summaries: list[dict[str, Any]]) -> 
         prepare_hashes=setup.prepared.meta.get("hashes", {}),
         shards=shards,
         counts=counts,
+        backend=cfg.extract.backend,
+        **extra,
     )
     return meta
 
@@ -409,7 +441,11 @@ def _run(cfg: EyasConfig, rank: int, world_size: int, device: torch.device) -> d
     prepare_resume(setup, rank, world_size)
     distributed.barrier()
     backend = make_backend(cfg, setup, device) if setup.remaining else None
-    summary = extract_rank(cfg, setup, backend, rank, world_size)
+    try:
+        summary = extract_rank(cfg, setup, backend, rank, world_size)
+    finally:
+        if backend is not None and cfg.extract.backend == "vllm":
+            backend.close()  # the engine's worker processes
     artifacts.atomic_write_json(setup.out / store.PROGRESS_DIR / f"r{rank:03d}.summary.json", summary)
     distributed.barrier()
     if rank != 0:
