@@ -1,6 +1,6 @@
 """Extraction backends: batch in, hidden states of its real tokens out; and the parity check.
 
-The interface the rest of the stage relies on (a vLLM backend would implement the same):
+The interface the rest of the stage relies on (eyas/extract/vllm_backend.py implements it too):
 
     backend.layer_ids, backend.hidden_size, backend.num_layers, backend.dtype
     backend.forward(batch, tokens, timer=NULL_TIMER) -> states_TKD   # any device, backend.dtype; T = batch.num_tokens
