@@ -205,6 +205,33 @@ def test_offline_equals_online_for_one_step(tmp_path, smol_prep, tiny_target):
     torch.testing.assert_close(params_on, params_off, rtol=1e-5, atol=1e-6)
 
 
+def test_accumulated_window_equals_one_packed_row(tmp_path, smol_prep, tiny_target):
+    """Two micro-batches accumulated (teacher recomputed per micro-batch) give the loss sums,
+    gradient norm and updated weights of the same samples packed into one row: attention, TTT
+    shifts and teachers stay inside each sample, and both normalise by the same valid count."""
+    from eyas.train.data import pack
+    from eyas.train.loop import Schedule, micro_batches, train_step
+
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.grad_accum=2")
+    data = build.load_data(cfg, torch.device("cpu"))
+    train_idx, _ = build.splits(cfg, data)
+    sched = Schedule(cfg.train, train_idx, data.lengths, cfg.seed, 0, 1)
+    tr, _ = build.build_trainer(cfg, data, torch.device("cpu"), total_steps=sched.total)
+    step, _, batches = next(micro_batches(tr, sched, data.source, 0, 0, 0))
+    by_id = {str(data.source[i]["id"]): i for i in train_idx}
+    samples = [data.source[by_id[sid]] for b in batches for sid in b.sample_ids]
+    assert len(batches) == 2 and len(samples) >= 2
+    one = pack(samples, cfg.train.ttt_steps, max_tokens=cfg.train.max_tokens)  # truncates each sample alike
+    accumulated = train_step(tr, batches, step)
+    params_acc = torch.cat([p.detach().flatten() for p in tr.draft.parameters()])
+    tr2, _ = build.build_trainer(cfg, data, torch.device("cpu"), total_steps=sched.total)
+    packed = train_step(tr2, [one], step)
+    params_one = torch.cat([p.detach().flatten() for p in tr2.draft.parameters()])
+    for key in ("loss_sum_T", "valid_T", "correct_T", "grad_norm"):
+        torch.testing.assert_close(accumulated[key], packed[key], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(params_acc, params_one, rtol=1e-5, atol=1e-6)
+
+
 def test_offline_from_extract_shards_equals_online(tmp_path, smol_prep, tiny_target):
     """The whole offline path (`eyas extract` shards read through HiddenStates) against online."""
     from eyas.extract import main as extract

@@ -91,13 +91,20 @@ def train_step(tr: Trainer, batches: list[Batch], step: int) -> dict[str, torch.
     -> local sums: loss_sum_T, correct_T, valid_T (device), mask_T (host), grad_norm (device), tokens (int).
     """
     batches = [tr.prepare(b) for b in batches]
-    teachers = [tr.teacher(b) for b in batches]  # no grad; p_NW, top1_N per micro-batch
-    # the loss is normalised by the number of valid positions of the whole window on all ranks
-    valid_T = torch.stack([num_valid(top1, b.tix_T) for (_, top1), b in zip(teachers, batches)]).sum(0)
+    # The loss is normalised by the number of valid positions of the whole window on all ranks,
+    # which needs every micro-batch's teacher top-1 before the first backward. With one micro-batch
+    # its teacher is simply kept; with several, only the top-1 ids are kept from a first pass and
+    # each teacher distribution (rows x W fp32) is recomputed right before its micro-batch: one
+    # extra teacher matmul per micro-batch instead of a whole window of distributions in memory.
+    single = len(batches) == 1
+    first = [tr.teacher(b) for b in batches] if single else [(None, tr.teacher(b)[1]) for b in batches]
+    valid_T = torch.stack([num_valid(top1, b.tix_T) for (_, top1), b in zip(first, batches)]).sum(0)
     global_valid_T = all_reduce_sum(valid_T.clone())
     loss_sum_T = torch.zeros_like(tr.weights_T)
     correct_T = torch.zeros_like(valid_T)
-    for j, (b, (p_NW, top1_N)) in enumerate(zip(batches, teachers)):
+    for j, (b, (p_NW, top1_N)) in enumerate(zip(batches, first)):
+        if p_NW is None:
+            p_NW = tr.teacher(b)[0]
         with no_sync(tr.model, sync=j == len(batches) - 1):
             logits_T = tr.forward(b)
             ls_T, cor_T, _ = step_terms(logits_T, p_NW, top1_N, b.tix_T)
