@@ -17,8 +17,8 @@ every completed conversation and redoes at most one chunk. A turn whose prompt e
 Backends share one interface: `generate(prompts: list[list[dict]]) -> list[Answer]`.
   hf      prompts sorted by length, left-padded, batched. On CUDA (`static_cache`, default): eyas's
           BatchDecoder (eyas/spec/static.py): fixed-size KV buffers and the decode step of all rows
-          as one CUDA graph (captured in a forward's time, no compilation), batches always full,
-          prompt widths bucketed (`static_widths`). Elsewhere: transformers `generate`.
+          as one CUDA graph (captured in a forward's time, no compilation), rows filled up to a
+          power of two, prompt widths bucketed (`static_widths`). Elsewhere: transformers `generate`.
   server  OpenAI-compatible /v1/chat/completions with bounded concurrency; connection errors,
           HTTP 429 and 5xx are retried `retries` times with backoff, then the run fails naming the
           conversation, the attempts and the last error. Nothing is skipped silently.
@@ -103,17 +103,21 @@ class HFBackend:
         return torch.multinomial(probs, 1, generator=self.generator).view(-1)
 
     def _static_batch(self, batch: list[list[int]]) -> list[list[int]]:
-        """eyas's batched decoder (SlotCache + one CUDA graph per decode shape), full rows only."""
+        """eyas's batched decoder (SlotCache + one CUDA graph per decode shape); rows and width bucketed."""
         from eyas.spec.static import BatchDecoder
 
         width = static_width(max(len(p) for p in batch), self.widths)
-        if self.decoder is None or self.decoder.width != width:
+        # rows: the batch size, or the next power of two for a short batch (a width bucket's few
+        # prompts, a round's last ones): graphs need no compilation, so a new shape costs one
+        # capture, while filler rows would cost a whole batch of decode steps
+        rows = min(self.rc.batch_size, max(8, 1 << (len(batch) - 1).bit_length()))
+        if self.decoder is None or (self.decoder.rows, self.decoder.width) != (rows, width):
             self.decoder = None  # one decoder's caches at a time
             if self.device.startswith("cuda"):
                 import torch
 
                 torch.cuda.empty_cache()
-            self.decoder = BatchDecoder(self.model, self.rc.batch_size, width, self.rc.max_new_tokens)
+            self.decoder = BatchDecoder(self.model, rows, width, self.rc.max_new_tokens)
         return self.decoder.generate(batch, set(self.eos), self.pad, self._pick)
 
     def _hf_batch(self, batch: list[list[int]]) -> list[list[int]]:

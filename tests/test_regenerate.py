@@ -135,6 +135,28 @@ def test_batch_decoder_equals_batch1_greedy(target):
     assert any(new[-1] == tok.eos_token_id for new in got) and any(len(new) == 12 for new in got)
 
 
+def test_hf_backend_static_path_on_cpu(tmp_path, data, target):
+    """The CUDA default (BatchDecoder, rows and widths bucketed), run eagerly on CPU through the
+    backend's own batching: 3 prompts in batches of 2 (the last one filled up with a filler row) and
+    two width buckets, each answer equal to batch-1 greedy."""
+    from eyas.regenerate import HFBackend
+
+    model, tok = target
+    cfg = cfg_for(tmp_path, data, "--regenerate.batch_size=2", "--regenerate.static_widths=[32,64]")
+    backend = HFBackend(cfg, tok)
+    backend.static = True  # what CUDA selects; the same code runs eagerly here
+    chats = [[{"role": "user", "content": "Hi!"}], [{"role": "user", "content": "Name a colour."}],
+             [{"role": "system", "content": "Answer in French, briefly and politely, please."},
+              {"role": "user", "content": "Hello there, my good friend!"}]]
+    prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in chats]
+    assert sorted(len(p) <= 32 for p in prompts) == [False, True, True]
+    answers = backend.generate(prompts)
+    for chat, a in zip(chats, answers):
+        text, n, reason = greedy_reply(model, tok, chat, NEW)
+        assert (a.text, a.new_tokens, a.finish_reason) == (text, n, reason)
+    assert (backend.decoder.rows, backend.decoder.width) == (2, 64)  # the last batch: 1 prompt + 1 filler
+
+
 def test_static_width_buckets():
     from eyas.regenerate import static_width
 

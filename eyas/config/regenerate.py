@@ -24,8 +24,8 @@ class RegenerateConfig:
     max_prompt_tokens: int = 2048
     """A turn whose prompt (the conversation so far) is longer stops the conversation there."""
     batch_size: int = 64
-    """hf backend: prompts generated together (sorted by length). With the static cache every
-    batch has exactly this many rows (short ones are filled up), so it compiles once per width."""
+    """hf backend: prompts generated together (sorted by length). With the static cache a shorter
+    batch is filled up to the next power of two (>= 8) rows: one CUDA graph per shape."""
     static_widths: list[int] = field(default_factory=list)
     """hf backend with the static cache: the prompt widths (left-padded) batches are padded to; a
     batch takes the smallest that fits, and its KV buffers hold width + max_new_tokens slots per
