@@ -491,6 +491,9 @@ class BatchDecoder:
         eos_t = torch.tensor(sorted(eos), device=dev)
         out = torch.empty(rows, self.max_new, dtype=torch.long, device=dev)
         done = torch.zeros(rows, dtype=torch.bool, device=dev)
+        # each step's column as a device scalar: torch.tensor(w + i, device=...) would be a pageable
+        # host->device copy per step, which waits for the queued replays (a host sync per token)
+        cols = torch.arange(w, w + self.max_new, device=dev)
         steps = 0
         for i in range(self.max_new):
             tok = pick(logits)
@@ -499,7 +502,7 @@ class BatchDecoder:
             steps = i + 1
             if steps == self.max_new or (steps % self.check_every == 0 and bool(done[:n].all())):
                 break
-            x = {"tok": tok, "t": torch.tensor(w + i, device=dev), "pad": pad}
+            x = {"tok": tok, "t": cols[i], "pad": pad}
             logits = self.graphs.run(("decode", rows, self.max_len), x, self._step)
         new = out[:n, :steps].tolist()
         result = []
