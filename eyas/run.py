@@ -7,7 +7,10 @@ Stages: regenerate (only with `regenerate.enabled`; prepare then reads its conve
 prepare -> extract -> train -> export -> evaluate. Each stage has a *run key*: the hash of the config
 sections that define its output and of the key of the stage before it. A stage whose `meta.json`
 carries the same key is skipped (a line says so); a changed key re-runs that stage, and since the
-keys chain, every stage after it. RUN_DIR holds one subdirectory per stage, `run.log` (everything
+keys chain, every stage after it. A stage that stopped early at its time budget (regenerate,
+train: `max_seconds`, which is not part of the key) continues where it stopped when the run is
+repeated, unless `accept_partial` names it (its output is then used as it is); a stage that ran
+makes every stage after it run again on the new output. RUN_DIR holds one subdirectory per stage, `run.log` (everything
 printed) and `summary.json` (per-stage wall time and throughput, tau_chain, tau_tree,
 acceptance_per_position, lossless, speedup).
 """
@@ -47,6 +50,13 @@ SECTIONS = {
 }
 
 
+# Keys that bound how long one invocation works on a stage, not what the stage produces: changing
+# them neither invalidates an output nor re-runs a stage. (evaluate.max_seconds stays in the key:
+# evaluation does not resume, so a larger budget has to re-run it.)
+BUDGET_KEYS = {"regenerate": ("max_seconds",), "train": ("max_seconds",)}
+RESUMABLE = ("regenerate", "train")  # a partial output of these is continued by the next run
+
+
 def stage_plan(cfg: EyasConfig) -> tuple[dict[str, EyasConfig], list[str]]:
     """The stages to run and the config each sees: with regenerate enabled, regenerate reads
     `prepare.data` and every later stage sees prepare reading regenerate's conversations."""
@@ -65,6 +75,9 @@ def run_keys(configs: dict[str, EyasConfig], stages: list[str]) -> dict[str, str
         if s == "regenerate":  # regenerate reads only the data fields of prepare
             p = sections["prepare"]
             sections["prepare"] = {k: p[k] for k in ("data", "format", "max_conversations", "system_prompt")}
+        for name, budget in BUDGET_KEYS.items():
+            if name in sections:
+                sections[name] = {k: v for k, v in sections[name].items() if k not in budget}
         keys[s] = prev = artifacts.hash_json({"stage": s, "sections": sections, "previous": prev})
     return keys
 
@@ -72,32 +85,47 @@ def run_keys(configs: dict[str, EyasConfig], stages: list[str]) -> dict[str, str
 MARKER = "run_key.txt"
 
 
-def claim_stage_dir(stage: str, out: Path, key: str) -> bool:
-    """Make `out` ready for a run of `stage` with `key`; True when an interrupted run with the
-    same key is there to resume. A complete or partial output made by `eyas run` with other
-    settings is removed (its config changed); a non-empty directory `eyas run` did not make is
-    never touched."""
+def claim_stage_dir(stage: str, out: Path, key: str, fresh: bool = False) -> bool:
+    """Make `out` ready for a run of `stage` with `key`; True when an interrupted or partial run
+    with the same key is there to resume. A complete or partial output made by `eyas run` with
+    other settings, or (`fresh`) from inputs that have changed since, is removed; a non-empty
+    directory `eyas run` did not make is never touched."""
     marker = out / MARKER
     if out.exists() and any(out.iterdir()):
         if not marker.is_file():
             raise EyasError(
                 f"{out} is not empty and was not made by `eyas run`: remove it or point --{stage}.out_dir elsewhere"
             )
-        if marker.read_text().strip() == key:
+        same = marker.read_text().strip() == key
+        if same and not fresh:
             return True
-        print(f"[eyas:run] {stage}: removing {out} (made with other settings)", flush=True)
+        why = "its inputs changed: an earlier stage ran again" if same else "made with other settings"
+        print(f"[eyas:run] {stage}: removing {out} ({why})", flush=True)
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     artifacts.atomic_write_text(marker, key)
     return False
 
 
-def up_to_date(stage_dir: Path, stage: str, key: str) -> bool:
+def stage_state(stage_dir: Path, stage: str, key: str) -> tuple[str, dict[str, Any]]:
+    """("done" | "partial" | "stale", meta): a complete output of this key, one that stopped early
+    at its time budget, or anything else (missing, interrupted, other settings)."""
     try:
         meta = artifacts.read_meta(stage_dir, stage)
     except ArtifactError:
-        return False
-    return meta.get("run_key") == key
+        return "stale", {}
+    if meta.get("run_key") != key:
+        return "stale", meta
+    return ("partial" if (meta.get("counts") or {}).get("stopped_early") else "done"), meta
+
+
+def partial_progress(stage: str, meta: dict[str, Any]) -> str:
+    c = meta.get("counts") or {}
+    if stage == "regenerate":
+        return f"{c.get('conversations_written')} of {c.get('conversations_in')} conversations"
+    if stage == "train":
+        return f"{c.get('steps')} of {c.get('planned_steps')} steps"
+    return "stopped early"
 
 
 class Tee:
@@ -137,16 +165,23 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
     cfg = configs[stages[-1]]
     print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
     record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
+    changed = False  # a stage ran in this invocation: every later stage's output is out of date
     for s in stages:
         out = cfg.stage_dir(s)
-        if up_to_date(out, s, keys[s]):
+        state, meta = ("stale", {}) if changed else stage_state(out, s, keys[s])
+        if state == "partial" and s in RESUMABLE and s not in cfg.accept_partial_stages():
+            print(f"[eyas:run] {s}: partial ({partial_progress(s, meta)}, stopped at its time budget): continuing; "
+                  f"--accept_partial={s} uses it as it is", flush=True)
+        elif state in ("done", "partial"):
+            if state == "partial":
+                print(f"[eyas:run] {s}: partial output accepted ({partial_progress(s, meta)})", flush=True)
             print(f"[eyas:run] {s}: up to date in {out}, skipped", flush=True)
-            meta = artifacts.read_meta(out, s)
             record["stages"][s] = {"status": "skipped", "dir": str(out), **_throughput(s, meta), "wall_s": meta.get("run_wall_s")}
             if s == cfg.stop_after:
                 return record
             continue
-        resuming = claim_stage_dir(s, out, keys[s])
+        resuming = claim_stage_dir(s, out, keys[s], fresh=changed)
+        changed = True
         print(f"[eyas:run] {s}: {'resuming' if resuming else 'running'} -> {out}", flush=True)
         stage_cfg = configs[s]
         if s == "train" and resuming and not stage_cfg.train.resume:
@@ -200,7 +235,8 @@ def _evaluation(eval_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ArtifactError(f"{path} is missing: the evaluate stage wrote no results")
     res = json.loads(path.read_text())
-    keys = ("tau_chain", "tau_tree", "acceptance_per_position", "lossless", "speedup")
+    keys = ("tau_chain", "tau_tree", "acceptance_per_position", "lossless", "lossless_up_to_ties", "num_divergent",
+            "num_divergent_near_tie", "speedup")
     return {k: res.get(k) for k in keys}
 
 
@@ -215,6 +251,8 @@ def print_summary(rec: dict[str, Any]) -> None:
         lines.append(f"  tau tree    {rec['tau_tree']}")
         acc = [a["conditional"] if isinstance(a, dict) else a for a in rec.get("acceptance_per_position") or []]
         lines.append("  acceptance  " + " ".join(f"{a:.2f}" for a in acc) + "   (P(accept | reached) per draft position)")
-        lines.append(f"  lossless    {rec['lossless']}")
+        lines.append(f"  lossless    {rec['lossless']}" + (
+            f" ({rec['num_divergent']} outputs differ, {rec['num_divergent_near_tie']} first at a near-tie: lossless up to "
+            f"numerics {rec['lossless_up_to_ties']})" if rec.get("num_divergent") else ""))
         lines.append(f"  speedup     {rec['speedup']:.2f}x" if rec.get("speedup") else f"  speedup     {rec.get('speedup')}")
     print("\n".join(lines), flush=True)

@@ -11,7 +11,7 @@ import torch
 
 from eyas.config import load_config
 from eyas.errors import ConfigError, DataError
-from eyas.evaluate import collect_results, first_divergence, load_bench, load_eval_draft
+from eyas.evaluate import collect_results, first_divergence, load_bench, load_eval_draft, score_divergence
 from eyas.spec import Generation, SpecStats
 from spec_helpers import random_draft, tiny_llama
 
@@ -83,12 +83,43 @@ def test_collect_results_pools_tau_and_reports_divergence():
     assert r["tau_chain"] == r["tau"] == 8 / 3  # pooled (6 + 2) / 3, not the mean of 6 and 1
     assert r["accept_length_histogram"] == [2, 0, 0, 0, 0, 1]
     assert r["lossless"] is False and r["num_divergent"] == 1
-    div = {"mode": "chain", "id": "q", "turn": 1, "position": 2, "speculative": 11, "target_only": 10}
-    assert r["first_divergence"] == div
+    div = {"mode": "chain", "id": "q", "turn": 1, "position": 2, "speculative": 11, "target_only": 10, "near_tie": False}
+    assert r["first_divergence"] == r["first_unexplained_divergence"] == div
+    assert r["lossless_up_to_ties"] is False and r["num_divergent_near_tie"] == 0
     assert r["speedup"] == pytest.approx((10 / 2.0) / (10 / 3.0))
     assert r["records"][0]["chain"]["lossless"] and not r["records"][1]["chain"]["lossless"]
+    seen = []
+    r = collect_results(base, {"chain": chain}, check=True, score=lambda b, ref, d: seen.append((b["turn"], ref, d["position"])) or {"near_tie": True})
+    assert seen == [(1, [8, 9, 10], 2)]  # scored against the baseline run of the same prompt
+    assert r["lossless"] is False and r["lossless_up_to_ties"] is True and r["num_divergent_near_tie"] == 1
+    assert r["first_unexplained_divergence"] is None
     r = collect_results(None, {"chain": chain}, check=False)
     assert r["lossless"] is None and r["speedup"] is None and r["target_only_wall_s"] is None
+
+
+def test_score_divergence_reads_the_target_at_the_diverging_position():
+    """The two tokens are scored by a plain forward at the first differing position: compared with
+    one forward of the whole baseline sequence, the near-tie verdict flips exactly at the gap."""
+    model = tiny_llama(vocab=300, hidden=32, layers=2, seed=3)
+    g = torch.Generator().manual_seed(0)
+    prompt, ref = torch.randint(0, 300, (7,), generator=g).tolist(), torch.randint(0, 300, (9,), generator=g).tolist()
+    with torch.no_grad():
+        full_SV = model(input_ids=torch.tensor([prompt + ref])).logits[0].float()
+    for pos in (0, 4, 8):
+        row_V = full_SV[len(prompt) + pos - 1]  # the logits that choose new token #pos
+        top2 = row_V.topk(2)
+        first, second = int(top2.indices[0]), int(top2.indices[1])
+        gap = float(top2.values[0] - top2.values[1])
+        scale = max(abs(float(top2.values[0])), abs(float(top2.values[1])), 1.0)
+        diff = {"position": pos, "target_only": first, "speculative": second}
+        near = score_divergence(model, prompt, ref, diff, rel_tol=1.01 * gap / scale)
+        assert near["near_tie"] and near["plain_forward_top1"] == first
+        assert near["logit_target_only"] == pytest.approx(float(row_V[first]), abs=1e-5)
+        assert near["logit_gap"] == pytest.approx(gap, abs=1e-5)
+        assert not score_divergence(model, prompt, ref, diff, rel_tol=0.99 * gap / scale)["near_tie"]
+        far = {**diff, "speculative": int(row_V.argmin())}
+        assert not score_divergence(model, prompt, ref, far, rel_tol=1.01 * gap / scale)["near_tie"]
+    assert score_divergence(model, prompt, ref, {"position": 9, "target_only": None, "speculative": 5}, 1.0) == {"near_tie": False}
 
 
 # --- end to end ------------------------------------------------------------------------------------

@@ -239,6 +239,13 @@ def test_corrupt_shard_is_named_and_reextracted(tmp_path, prep, tiny_dirs):
     victim.write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match=victim.name):
         HiddenStates(tmp_path / "extract")[5]
+    with pytest.raises(ArtifactError, match=victim.name):  # all shards at once, in threads
+        HiddenStates(tmp_path / "extract").verify(threads=3)
+    others = [s for s in range(len(hs.shards)) if s != hs._shard[5]]
+    fresh = HiddenStates(tmp_path / "extract")
+    assert fresh.verify(others, threads=3) == sum((tmp_path / "extract" / hs.shards[s]).stat().st_size for s in others)
+    fresh.mark_verified([hs._shard[5]])  # checked elsewhere (another rank): not hashed again on read
+    assert fresh[5]["input_ids"].numel() == int(hs.lengths[5])  # read without a checksum error
     victim.unlink()  # the message says: delete it and re-run the same command
     assert run_extract(tmp_path, prep, model, "--extract.shard_bytes=100000", "--extract.max_samples=12") == 0
     hs = HiddenStates(tmp_path / "extract")

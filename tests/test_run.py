@@ -71,3 +71,57 @@ def test_run_end_to_end_then_skips(tmp_path, smollm2_dir, capsys):
     status = stages_line(capsys.readouterr().out)
     assert status == {"regenerate": "skipped", "prepare": "skipped", "extract": "skipped",
                       "train": "ran", "export": "ran", "evaluate": "ran"}
+
+
+def counts(run, stage):
+    return json.loads((run / stage / "meta.json").read_text())["counts"]
+
+
+@pytest.mark.slow
+def test_run_continues_partial_stages(tmp_path, smollm2_dir, capsys):
+    """A stage stopped at its time budget continues when the run is repeated (its budget is not part
+    of the key, so a new budget does not start it over), the stages after it then run on the new
+    output; --accept_partial=STAGE takes the partial output as it is."""
+    target = save_tiny("llama", tmp_path / "tiny", smollm2_dir)
+    y = str(recipe(tmp_path, target))
+    run = tmp_path / "run"
+    slot = ["--regenerate.chunk_conversations=2", "--regenerate.max_seconds=1e-6"]  # one chunk per run
+    assert cli(["run", y, *slot, "--stop_after=regenerate"]) == 0
+    assert counts(run, "regenerate")["conversations_written"] == 2 and counts(run, "regenerate")["stopped_early"]
+    capsys.readouterr()
+    assert cli(["run", y, "--regenerate.chunk_conversations=2", "--regenerate.max_seconds=2e-6", "--stop_after=regenerate"]) == 0
+    out = capsys.readouterr().out
+    assert "regenerate: partial (2 of 8 conversations" in out and stages_line(out) == {"regenerate": "ran"}
+    assert counts(run, "regenerate")["resumed_from"] == 2 and counts(run, "regenerate")["conversations_written"] == 4
+
+    assert cli(["run", y, *slot, "--accept_partial=regenerate", "--stop_after=prepare"]) == 0
+    out = capsys.readouterr().out
+    assert "partial output accepted (4 of 8 conversations)" in out
+    assert stages_line(out) == {"regenerate": "skipped", "prepare": "ran"}
+    assert counts(run, "prepare")["records"] == 4
+
+    # the rest of regenerate: prepare is out of date although its settings did not change
+    assert cli(["run", y, "--regenerate.chunk_conversations=2", "--stop_after=prepare"]) == 0
+    out = capsys.readouterr().out
+    assert stages_line(out) == {"regenerate": "ran", "prepare": "ran"} and "inputs changed" in out
+    regen = counts(run, "regenerate")
+    assert (regen["resumed_from"], regen["not_started"], regen["stopped_early"]) == (4, 0, False)
+    assert counts(run, "prepare")["records"] == regen["conversations_written"] > 4
+
+    # train stopped at its budget (first logging step) resumes from its checkpoint on the next run
+    train = ["--regenerate.chunk_conversations=2", "--train.epochs=4", "--train.max_steps=4", "--stop_after=train"]
+    assert cli(["run", y, *train, "--train.max_seconds=1e-6"]) == 0
+    assert (counts(run, "train")["steps"], counts(run, "train")["stopped_early"]) == (1, True)
+    capsys.readouterr()
+    assert cli(["run", y, *train, "--train.max_seconds=1e-6"]) == 0
+    out = capsys.readouterr().out
+    assert "train: partial (1 of 4 steps" in out and "resuming from" in out
+    assert stages_line(out) == {"regenerate": "skipped", "prepare": "skipped", "extract": "skipped", "train": "ran"}
+    assert counts(run, "train")["steps"] == 2
+    assert cli(["run", y, *train, "--train.max_seconds=1e-6", "--accept_partial=regenerate,train"]) == 0
+    assert stages_line(capsys.readouterr().out)["train"] == "skipped" and counts(run, "train")["steps"] == 2
+    assert cli(["run", y, *train]) == 0
+    assert (counts(run, "train")["steps"], counts(run, "train")["stopped_early"]) == (4, False)
+    steps = [json.loads(ln)["step"] for ln in (run / "train" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(ln)["split"] == "train"]
+    assert steps == [1, 2, 3, 4]  # one curve, no step twice

@@ -39,6 +39,10 @@ class EyasConfig:
     stop_after: str = ""
     """`eyas run` only: stop after this stage (regenerate, prepare, extract, train, export); the next
     `eyas run` of the same recipe skips what is done and continues. For machines lent in slots."""
+    accept_partial: str = ""
+    """`eyas run` only: stages (comma-separated: regenerate, train) whose output, stopped early at
+    their `max_seconds` budget, is used as it is. A partial stage not named here is continued by
+    the next run, and the stages after it run again on the new output."""
     target: TargetConfig = field(default_factory=TargetConfig)
     """The target model every stage works for."""
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
@@ -60,6 +64,11 @@ class EyasConfig:
         require(bool(self.run_dir), "run_dir is empty")
         stages = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
         require(self.stop_after in ("",) + stages, f"stop_after={self.stop_after!r}: choose one of {', '.join(stages)}")
+        for name in self.accept_partial_stages():
+            require(name in ("regenerate", "train"), f"accept_partial: {name!r} is not regenerate or train")
+
+    def accept_partial_stages(self) -> list[str]:
+        return [n.strip() for n in self.accept_partial.split(",") if n.strip()]
 
     def stage_dir(self, stage: str) -> Path:
         """The output directory of `stage`: its own out_dir, else RUN_DIR/stage."""

@@ -44,7 +44,14 @@ class EvaluateConfig:
     """Weights/activations dtype of target and draft; empty = target.dtype (auto: bf16 on GPU, fp32 on CPU)."""
     lossless_check: bool = True
     """Under greedy: compare every speculative output with target-only greedy decoding token for
-    token and fail the run at the first difference (ignored when temperature > 0)."""
+    token (ignored when temperature > 0). At each first difference a plain forward of the target
+    (no cache) scores the two tokens the decoders chose; a difference is a near-tie when their
+    logits are within `tie_tolerance` (relative), the numerics of a multi-token verify against a
+    one-token decode in bf16/fp16. Any other difference fails the run."""
+    tie_tolerance: float = -1.0
+    """Relative logit gap below which a greedy difference counts as a near-tie (see
+    lossless_check); -1 = by dtype: 2^-6 for bfloat16, 2^-9 for float16 (four units in the last
+    place), 1e-4 for float32."""
     measure_speedup: bool = True
     """Time target-only decoding on the same prompts and device (warm-up excluded) and report the
     wall-clock speedup. Under greedy with lossless_check the baseline runs anyway."""

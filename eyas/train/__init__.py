@@ -68,6 +68,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
     try:
         if data is None:
             data = build.load_data(cfg, device)
+        build.verify_shards(data.source, rank, world_size, device)
         train_idx, eval_idx = build.splits(cfg, data)
         sched = Schedule(tc, train_idx, data.lengths, cfg.seed, rank, world_size)
         tr, dcfg = build.build_trainer(cfg, data, device, rank, world_size, sched.total)

@@ -281,7 +281,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     zero = {k: torch.zeros(tc.ttt_steps, device=tr.device if k != "mask_T" else "cpu", dtype=torch.float64)
             for k in ("loss_sum_T", "correct_T", "valid_T", "mask_T")}
     acc = {k: v.clone() for k, v in zero.items()}
-    tokens, norms, t0 = 0, [], time.perf_counter()
+    tokens, norms, t0, paused = 0, [], time.perf_counter(), 0.0  # paused: evaluation and checkpoints
     last_train: dict[str, Any] = {}
     last_eval: dict[str, Any] = {}
     step, epoch = start, sched.position(start)[0]
@@ -297,7 +297,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
         if done % tc.log_every == 0 or done == sched.total:
             rec = summarize(acc, tr.weights_T)
             num_tokens = float(all_reduce_sum(torch.tensor(float(tokens), device=tr.device)).item())  # logging sync
-            dt = time.perf_counter() - t0
+            dt = time.perf_counter() - t0 - paused
             last_train = dict(step=done, epoch=epoch, split="train", **rec, lr=tr.scheduler.get_last_lr()[0],
                               grad_norm=float(torch.stack(norms).mean()), tokens=int(num_tokens),
                               tokens_per_s=num_tokens / max(dt, 1e-9))
@@ -307,18 +307,21 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
                       f"tau {rec['tau']:.3f} lr {last_train['lr']:.2e} |g| {last_train['grad_norm']:.3f} "
                       f"{last_train['tokens_per_s']:.0f} tok/s", flush=True)
             acc = {k: v.clone() for k, v in zero.items()}
-            tokens, norms, t0 = 0, [], time.perf_counter()
+            tokens, norms, t0, paused = 0, [], time.perf_counter(), 0.0
             if tc.max_seconds and done < sched.total and out_of_time(tr, t_fit, tc.max_seconds):
                 end = done
                 if tr.rank == 0:
                     print(f"[eyas:train] train.max_seconds={tc.max_seconds:g} reached: stopping at step {done} of "
                           f"{sched.total}", flush=True)
                 break
+        t_side = time.perf_counter()
         if eval_loader_fn is not None and tc.eval_every and done % tc.eval_every == 0 and done < sched.total:
             last_eval = dict(step=done, epoch=epoch, split="eval", **evaluate(tr, eval_loader_fn(), tc.eval_max_batches))
+            last_eval["seconds"] = time.perf_counter() - t_side
             log.write(last_eval)
         if tc.save_every and done % tc.save_every == 0 and done < sched.total:
             save(tr, ckpt_root, done, sched, draft_cfg)
+        paused += time.perf_counter() - t_side
     if eval_loader_fn is not None:
         last_eval = dict(step=end, epoch=epoch, split="eval", **evaluate(tr, eval_loader_fn(), tc.eval_max_batches))
         log.write(last_eval)
