@@ -150,3 +150,27 @@ def test_batch_decoder_graphs_equal_per_prompt_decoding():
         ref = target_generate(target, torch.tensor(p).cuda(), max_new_tokens=24, stop_ids=eos).tokens
         assert new == ref
     assert dec.graphs.graphs, "no graph was captured"
+
+
+@pytest.mark.slow
+def test_smollm2_fitted_draft_deep_acceptance_is_lossless(smollm2_dir, smollm2_tokenizer):
+    """A draft fitted to SmolLM2's own greedy answers accepts long runs (tau > 3): every accepted
+    tree path, its cache compaction and the next round's positions are exercised on the real
+    model, and the output is still the target's greedy output, static caches and eager alike."""
+    from export_helpers import fitted_draft, greedy_sequences, load_target
+    from vllm_train_helpers import chat_prompt_ids
+
+    target = load_target(smollm2_dir)
+    prompts = chat_prompt_ids(smollm2_tokenizer, ("The capital of France is", "def fibonacci(n):"))
+    n = 24
+    seqs = greedy_sequences(target, prompts, n + 8)
+    draft = fitted_draft(target, seqs, aux_layer_ids=(2, 15, 27), steps=40).eval()
+    engine = StaticEngine(target, draft, max_len=256)
+    kw = dict(max_new_tokens=n, num_draft_tokens=7, tree_total_tokens=24, tree_depth=6, tree_top_k=4)
+    for mode in ("chain", "tree"):
+        for p, s in zip(prompts, seqs):
+            out = speculative_generate(target, draft, torch.tensor(p), mode=mode, **kw, engine=engine)
+            assert out.tokens == s[len(p) : len(p) + n], mode
+            assert out.stats.tau > 3, (mode, out.stats.tau)
+            if mode == "tree":
+                same_stats(out.stats, speculative_generate(target, draft, torch.tensor(p), mode=mode, **kw).stats)
