@@ -117,7 +117,7 @@ def test_resume_reads_records_with_unicode_line_separators(tmp_path):
 def test_batch_decoder_equals_batch1_greedy(target):
     """eyas's static-cache batched decoder (eagerly on CPU; as CUDA graphs on GPUs): left-padded
     prompts of several lengths plus filler rows give each prompt's batch-1 greedy answer, cut
-    after the first eos."""
+    after the first eos, also when each step reads only the slots written so far (small kv_block)."""
     from eyas.spec.static import BatchDecoder
 
     model, tok = target
@@ -126,7 +126,9 @@ def test_batch_decoder_equals_batch1_greedy(target):
              [{"role": "user", "content": "What is 2+2? Answer with one number."}]]
     prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in chats]
     width = max(map(len, prompts)) + 3
-    dec = BatchDecoder(model, rows=5, width=width, max_new=12, check_every=4)
+    dec = BatchDecoder(model, rows=5, width=width, max_new=12, check_every=4, kv_block=4)
+    assert {dec.window(width + i) for i in range(12)} == {min(width + 12, -(-(width + i + 1) // 4) * 4) for i in range(12)}
+    assert len({dec.window(width + i) for i in range(12)}) >= 3  # the steps read growing windows
     got = dec.generate(prompts, {tok.eos_token_id}, tok.eos_token_id, lambda logits: logits.argmax(-1))
     for chat, new in zip(chats, got):
         text, n, reason = greedy_reply(model, tok, chat, 12)

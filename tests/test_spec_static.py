@@ -143,13 +143,13 @@ def test_batch_decoder_graphs_equal_per_prompt_decoding():
 
     target = tiny_llama(vocab=64, hidden=64, layers=4, seed=7).cuda()
     prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 11, 7)]
-    dec = BatchDecoder(target, rows=4, width=16, max_new=24, check_every=4)
+    dec = BatchDecoder(target, rows=4, width=16, max_new=24, check_every=4, kv_block=8)  # windows 24, 32, 40
     eos = {63}
     got = dec.generate(prompts, eos, 0, lambda logits: logits.argmax(-1))
     for p, new in zip(prompts, got):
         ref = target_generate(target, torch.tensor(p).cuda(), max_new_tokens=24, stop_ids=eos).tokens
         assert new == ref
-    assert dec.graphs.graphs, "no graph was captured"
+    assert len(dec.graphs.graphs) >= 2, "one graph per window was expected"
 
 
 @pytest.mark.slow

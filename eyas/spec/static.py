@@ -32,6 +32,7 @@ writes it makes are the right ones), capture, replay. All graphs share one memor
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -85,7 +86,8 @@ class SlotCache:
     """A KV cache of fixed buffers behind transformers' cache interface (`update`, `get_seq_length`).
 
     Before each forward the caller sets `slots` (long [S]: where the S new entries go) and passes
-    a 4-D mask over all M slots; `update` writes there and hands the attention the whole buffer.
+    a 4-D mask over all M slots; `update` writes there and hands the attention the whole buffer,
+    or its first `view` slots when the caller sets `view` (and masks that many keys).
     Buffers are allocated at the first update of each layer (shapes from the model itself, so MLA
     latents work as well as ordinary keys/values).
     """
@@ -95,6 +97,7 @@ class SlotCache:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.slots: torch.Tensor | None = None
+        self.view = 0  # > 0: attention reads only slots [0, view)
         self.length = 0  # kept entries (host-side bookkeeping)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -108,6 +111,8 @@ class SlotCache:
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         keys.index_copy_(2, self.slots, key_states)
         values.index_copy_(2, self.slots, value_states)
+        if self.view:
+            return keys[:, :, : self.view], values[:, :, : self.view]
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -433,10 +438,13 @@ class BatchDecoder:
     a SlotCache of M = W + max_new slots, the decode step (one token for every row) as one CUDA
     graph. Row b's prompt sits at slots pad_b..W-1; its token t at slot t, RoPE position t - pad_b;
     its queries see slots pad_b..t. Finished rows keep running (fixed shapes) and are cut on the
-    host; the host checks for "all finished" every `check_every` steps.
+    host; the host checks for "all finished" every `check_every` steps. Decoding is bound by
+    reading the cache (1024 rows x 2048 slots of SmolLM2 are 48 GB per step), so a step reads only
+    the slots written so far, rounded up to `kv_block`: one graph per such window.
     """
 
-    def __init__(self, model, rows: int, width: int, max_new: int, graphs: bool = True, check_every: int = 16):
+    def __init__(self, model, rows: int, width: int, max_new: int, graphs: bool = True, check_every: int = 16,
+                 kv_block: int = 256):
         for layer in new_cache(model).layers:  # sliding-window / linear-attention layers: refuse
             _check_full_attention(layer)
         use_slot_attention(model)
@@ -449,9 +457,12 @@ class BatchDecoder:
         self.arange_M = torch.arange(self.max_len, device=self.device)
         self.cache_kw = _cache_kwarg(type(model))
         self.check_every = check_every
+        self.kv_block = kv_block
 
     def _forward(self, ids_BS, pos_BS, slots_S, mask_BSM, logits_to_keep: int = 0) -> torch.Tensor:
+        """mask [B, S, L]: the first L slots are read (L <= M)."""
         self.cache.slots = slots_S
+        self.cache.view = mask_BSM.shape[-1]
         kwargs: dict[str, Any] = {
             "input_ids": ids_BS,
             "position_ids": pos_BS,
@@ -463,10 +474,15 @@ class BatchDecoder:
             kwargs["logits_to_keep"] = logits_to_keep
         return self.model(**kwargs).logits[:, -1]
 
-    def _step(self, x: dict[str, torch.Tensor]) -> torch.Tensor:
+    def window(self, slot: int) -> int:
+        """Slots a step writing `slot` reads: up to it, rounded up to kv_block (at most M)."""
+        return min(self.max_len, -(-(slot + 1) // self.kv_block) * self.kv_block)
+
+    def _step(self, x: dict[str, torch.Tensor], view: int) -> torch.Tensor:
         t, pad_B = x["t"], x["pad"]
-        mask_B1M = ((self.arange_M[None] >= pad_B[:, None]) & (self.arange_M[None] <= t)).unsqueeze(1)
-        return self._forward(x["tok"].view(-1, 1), (t - pad_B).view(-1, 1), t.view(1), mask_B1M)
+        keys_L = self.arange_M[:view]
+        mask_B1L = ((keys_L[None] >= pad_B[:, None]) & (keys_L[None] <= t)).unsqueeze(1)
+        return self._forward(x["tok"].view(-1, 1), (t - pad_B).view(-1, 1), t.view(1), mask_B1L)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], eos: set[int], pad_id: int, pick) -> list[list[int]]:
@@ -484,10 +500,10 @@ class BatchDecoder:
         ids, pad = ids.to(dev), pad.to(dev)
         j = torch.arange(w, device=dev)
         pos_BW = (j[None] - pad[:, None]).clamp(min=0)
-        keys = self.arange_M[None, None]
+        keys = j[None, None]  # the prompt's slots: nothing later exists yet
         # prompt queries see their own prompt causally; a padding query sees only itself (no empty rows)
-        mask_BWM = ((keys >= pad[:, None, None]) & (keys <= j[None, :, None])) | (keys == j[None, :, None])
-        logits = self._forward(ids, pos_BW, j, mask_BWM, logits_to_keep=1)
+        mask_BWW = ((keys >= pad[:, None, None]) & (keys <= j[None, :, None])) | (keys == j[None, :, None])
+        logits = self._forward(ids, pos_BW, j, mask_BWW, logits_to_keep=1)
         eos_t = torch.tensor(sorted(eos), device=dev)
         out = torch.empty(rows, self.max_new, dtype=torch.long, device=dev)
         done = torch.zeros(rows, dtype=torch.bool, device=dev)
@@ -503,7 +519,8 @@ class BatchDecoder:
             if steps == self.max_new or (steps % self.check_every == 0 and bool(done[:n].all())):
                 break
             x = {"tok": tok, "t": cols[i], "pad": pad}
-            logits = self.graphs.run(("decode", rows, self.max_len), x, self._step)
+            view = self.window(w + i)
+            logits = self.graphs.run(("decode", rows, self.max_len, view), x, functools.partial(self._step, view=view))
         new = out[:n, :steps].tolist()
         result = []
         for row in new:
