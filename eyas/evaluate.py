@@ -311,17 +311,20 @@ def tie_tolerance(ec, dtype: torch.dtype) -> float:
 def score_divergence(target, prompt_ids: list[int], ref: list[int], diff: dict[str, Any], rel_tol: float) -> dict[str, Any]:
     """The target's logits for the two tokens chosen at a first difference, from a plain forward
     (no cache, one pass) of the prompt and the common prefix; near_tie when they are within
-    rel_tol x the larger magnitude (at least 1). A length difference (one output ended) is never a tie."""
+    rel_tol x the larger magnitude (at least 1) of each other and the better of them is as close to
+    the forward's top logit (else both decoders missed the top token: not a tie, a bug they share).
+    A length difference (one output ended) is never a tie."""
     a, b = diff["target_only"], diff["speculative"]
     if a is None or b is None:
         return {"near_tie": False}
     device = target.get_input_embeddings().weight.device
     ids = torch.tensor([prompt_ids + ref[: diff["position"]]], device=device)
     logits_V = target(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
-    la, lb = float(logits_V[a]), float(logits_V[b])
+    la, lb, top = float(logits_V[a]), float(logits_V[b]), float(logits_V.max())
     gap, scale = abs(la - lb), max(abs(la), abs(lb), 1.0)
-    return {"logit_target_only": la, "logit_speculative": lb, "logit_gap": gap,
-            "plain_forward_top1": int(logits_V.argmax()), "near_tie": gap <= rel_tol * scale}
+    tol = rel_tol * scale
+    return {"logit_target_only": la, "logit_speculative": lb, "logit_gap": gap, "logit_top": top,
+            "plain_forward_top1": int(logits_V.argmax()), "near_tie": gap <= tol and top - max(la, lb) <= tol}
 
 
 def collect_results(
@@ -338,6 +341,7 @@ def collect_results(
         }
     records: dict[tuple[str, int], dict[str, Any]] = {}
     summaries, divergences = {}, []
+    verdicts: dict[tuple[str, str], bool] = {}  # (mode, question) -> near_tie of its latest difference
     for mode, runs in spec_runs.items():
         pooled = SpecStats()
         for i, r in enumerate(runs):
@@ -359,7 +363,13 @@ def collect_results(
                     diff = compare(gen.tokens, ref.tokens)
                     entry["lossless"] = diff is None
                     if diff is not None:
-                        diff.update(score(base_runs[i], ref.tokens, diff) if score else {"near_tie": False})
+                        if r.get("prompt_ids") != base_runs[i].get("prompt_ids"):
+                            # a later turn after a differing answer: another prompt, nothing to score;
+                            # it is what the earlier difference made it
+                            diff.update(inherited=True, near_tie=verdicts.get((mode, r["id"]), False))
+                        else:
+                            diff.update(score(base_runs[i], ref.tokens, diff) if score else {"near_tie": False})
+                        verdicts[(mode, r["id"])] = diff["near_tie"]
                         entry["first_divergence"] = diff
                         divergences.append({"mode": mode, "id": r["id"], "turn": r["turn"], **diff})
             rec[mode] = entry
@@ -375,6 +385,7 @@ def collect_results(
         "lossless_checked": check,
         "num_divergent": len(divergences),
         "num_divergent_near_tie": sum(d["near_tie"] for d in divergences),
+        "num_divergent_inherited": sum(bool(d.get("inherited")) for d in divergences),
         "first_divergence": divergences[0] if divergences else None,
         "first_unexplained_divergence": next((d for d in divergences if not d["near_tie"]), None),
         "modes": summaries,

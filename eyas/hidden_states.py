@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -111,8 +111,12 @@ class HiddenStates:
         remembered, also by DataLoader workers forked afterwards (a worker's own checks die with it)."""
         todo = sorted({int(s) for s in (range(len(self.shards)) if shards is None else shards)} - self._verified)
         n = threads or min(8, os.cpu_count() or 1, max(1, len(todo)))
-        with ThreadPoolExecutor(n) as pool:
-            list(pool.map(self._check, todo))  # the first corrupt or missing shard raises here
+        pool = ThreadPoolExecutor(n)
+        try:
+            for future in as_completed([pool.submit(self._check, s) for s in todo]):
+                future.result()  # the first corrupt or missing shard raises here
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # on an error: no hashing of the rest
         self._verified.update(todo)
         return sum((self.dir / self.shards[s]).stat().st_size for s in todo)
 

@@ -50,10 +50,14 @@ SECTIONS = {
 }
 
 
-# Keys that bound how long one invocation works on a stage, not what the stage produces: changing
-# them neither invalidates an output nor re-runs a stage. (evaluate.max_seconds stays in the key:
-# evaluation does not resume, so a larger budget has to re-run it.)
-BUDGET_KEYS = {"regenerate": ("max_seconds",), "train": ("max_seconds",)}
+# Keys that bound how long one invocation works on a stage or how it runs, not what the stage
+# produces: changing them neither invalidates an output nor re-runs a stage (so `--train.resume
+# auto` or a new budget never deletes a partial training). evaluate.max_seconds stays in the key:
+# evaluation does not resume, so a larger budget has to re-run it.
+BUDGET_KEYS = {
+    "regenerate": ("max_seconds",),
+    "train": ("max_seconds", "resume", "num_workers", "tensorboard", "keep_checkpoints"),
+}
 RESUMABLE = ("regenerate", "train")  # a partial output of these is continued by the next run
 
 
@@ -107,16 +111,24 @@ def claim_stage_dir(stage: str, out: Path, key: str, fresh: bool = False) -> boo
     return False
 
 
-def stage_state(stage_dir: Path, stage: str, key: str) -> tuple[str, dict[str, Any]]:
-    """("done" | "partial" | "stale", meta): a complete output of this key, one that stopped early
-    at its time budget, or anything else (missing, interrupted, other settings)."""
+def stage_state(stage_dir: Path, stage: str, key: str, upstream: str) -> tuple[str, dict[str, Any]]:
+    """("done" | "partial" | "inputs" | "stale", meta): a complete output of this key made from the
+    previous stage's current output (`upstream`: the hash of its meta.json), one that stopped early
+    at its time budget, one made from an earlier state of the previous stage (continued since), or
+    anything else (missing, interrupted, other settings)."""
     try:
         meta = artifacts.read_meta(stage_dir, stage)
     except ArtifactError:
         return "stale", {}
     if meta.get("run_key") != key:
         return "stale", meta
-    return ("partial" if (meta.get("counts") or {}).get("stopped_early") else "done"), meta
+    if meta.get("upstream", "") != upstream:
+        return "inputs", meta
+    return ("partial" if is_partial(meta) else "done"), meta
+
+
+def is_partial(meta: dict[str, Any]) -> bool:
+    return bool((meta.get("counts") or {}).get("stopped_early"))
 
 
 def partial_progress(stage: str, meta: dict[str, Any]) -> str:
@@ -166,9 +178,10 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
     print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
     record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
     changed = False  # a stage ran in this invocation: every later stage's output is out of date
+    upstream = ""  # the hash of the previous stage's meta.json as this run leaves it
     for s in stages:
         out = cfg.stage_dir(s)
-        state, meta = ("stale", {}) if changed else stage_state(out, s, keys[s])
+        state, meta = ("stale", {}) if changed else stage_state(out, s, keys[s], upstream)
         if state == "partial" and s in RESUMABLE and s not in cfg.accept_partial_stages():
             print(f"[eyas:run] {s}: partial ({partial_progress(s, meta)}, stopped at its time budget): continuing; "
                   f"--accept_partial={s} uses it as it is", flush=True)
@@ -176,11 +189,13 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
             if state == "partial":
                 print(f"[eyas:run] {s}: partial output accepted ({partial_progress(s, meta)})", flush=True)
             print(f"[eyas:run] {s}: up to date in {out}, skipped", flush=True)
-            record["stages"][s] = {"status": "skipped", "dir": str(out), **_throughput(s, meta), "wall_s": meta.get("run_wall_s")}
+            record["stages"][s] = {"status": "skipped", "dir": str(out), **_throughput(s, meta),
+                                   "wall_s": meta.get("run_wall_s"), "partial": is_partial(meta)}
+            upstream = artifacts.hash_json(meta)
             if s == cfg.stop_after:
                 return record
             continue
-        resuming = claim_stage_dir(s, out, keys[s], fresh=changed)
+        resuming = claim_stage_dir(s, out, keys[s], fresh=changed or state == "inputs")
         changed = True
         print(f"[eyas:run] {s}: {'resuming' if resuming else 'running'} -> {out}", flush=True)
         stage_cfg = configs[s]
@@ -192,9 +207,15 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         meta = artifacts.read_meta(out, s)  # a stage that wrote no complete meta.json is an error
         meta["run_key"] = keys[s]
+        meta["upstream"] = upstream
         meta["run_wall_s"] = round(wall, 2)
         artifacts.atomic_write_json(out / "meta.json", meta)
-        record["stages"][s] = {"status": "ran", "dir": str(out), "wall_s": round(wall, 2), **_throughput(s, meta)}
+        upstream = artifacts.hash_json(meta)
+        record["stages"][s] = {"status": "ran", "dir": str(out), "wall_s": round(wall, 2), **_throughput(s, meta),
+                               "partial": is_partial(meta)}
+        if is_partial(meta) and s != cfg.stop_after and s != stages[-1]:
+            print(f"[eyas:run] {s}: stopped at its time budget ({partial_progress(s, meta)}); the stages after it "
+                  f"run on this partial output, and the next run continues {s} (unless --accept_partial={s})", flush=True)
         if s == "train":
             _plot(cfg)
         if s == cfg.stop_after and s != stages[-1]:
@@ -245,7 +266,8 @@ def print_summary(rec: dict[str, Any]) -> None:
     for s, r in rec["stages"].items():
         tps = f"{r['tokens_per_s']:,.0f} tok/s" if r.get("tokens_per_s") else ""
         wall = f"{r['wall_s']:.1f} s" if r.get("wall_s") is not None else ""
-        lines.append(f"  {s:<11} {r['status']:<8} {wall:>10} {tps:>16}  {r['dir']}")
+        status = r["status"] + (" partial" if r.get("partial") else "")
+        lines.append(f"  {s:<11} {status:<16} {wall:>10} {tps:>16}  {r['dir']}")
     if "tau_chain" in rec:
         lines.append(f"  tau chain   {rec['tau_chain']}")
         lines.append(f"  tau tree    {rec['tau_tree']}")

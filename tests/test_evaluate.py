@@ -105,7 +105,8 @@ def test_score_divergence_reads_the_target_at_the_diverging_position():
     prompt, ref = torch.randint(0, 300, (7,), generator=g).tolist(), torch.randint(0, 300, (9,), generator=g).tolist()
     with torch.no_grad():
         full_SV = model(input_ids=torch.tensor([prompt + ref])).logits[0].float()
-    for pos in (0, 4, 8):
+    both_wrong_checked = 0
+    for pos in (0, 2, 4, 6, 8):
         row_V = full_SV[len(prompt) + pos - 1]  # the logits that choose new token #pos
         top2 = row_V.topk(2)
         first, second = int(top2.indices[0]), int(top2.indices[1])
@@ -119,7 +120,32 @@ def test_score_divergence_reads_the_target_at_the_diverging_position():
         assert not score_divergence(model, prompt, ref, diff, rel_tol=0.99 * gap / scale)["near_tie"]
         far = {**diff, "speculative": int(row_V.argmin())}
         assert not score_divergence(model, prompt, ref, far, rel_tol=1.01 * gap / scale)["near_tie"]
+        # the 2nd and 3rd tokens tied, the top one well above both: both decoders missed it
+        third = int(row_V.topk(3).indices[2])
+        gap23 = float(row_V[second] - row_V[third])
+        if gap23 < gap:
+            both_wrong = {"position": pos, "target_only": second, "speculative": third}
+            assert not score_divergence(model, prompt, ref, both_wrong, rel_tol=1.01 * gap23 / scale)["near_tie"]
+            both_wrong_checked += 1
+    assert both_wrong_checked
     assert score_divergence(model, prompt, ref, {"position": 9, "target_only": None, "speculative": 5}, 1.0) == {"near_tie": False}
+
+
+def test_a_later_turn_after_a_differing_answer_inherits_its_verdict():
+    """Turn 2 is rendered with each decoder's own turn-1 answer: after a difference the prompts
+    differ, so turn 2 is not scored against the baseline's; it takes turn 1's verdict."""
+    base = [{"id": "q", "turn": 0, "prompt_tokens": 3, "prompt_ids": [1, 2, 3], "gen": Generation([4, 5, 6], 1.0)},
+            {"id": "q", "turn": 1, "prompt_tokens": 7, "prompt_ids": [1, 2, 3, 4, 5, 6, 9], "gen": Generation([7, 8], 1.0)}]
+    spec = [{**base[0], "gen": _gen([4, 6, 6], [2])},
+            {**base[1], "prompt_ids": [1, 2, 3, 4, 6, 6, 9], "gen": _gen([8, 8], [1])}]  # fmt: skip
+    for tie in (True, False):
+        scored = []
+        r = collect_results(base, {"chain": spec}, check=True,
+                            score=lambda b, ref, d: scored.append(b["turn"]) or {"near_tie": tie})
+        assert scored == [0]  # turn 1 (index 1) is not scored against another prompt
+        second = r["records"][1]["chain"]["first_divergence"]
+        assert second["inherited"] and second["near_tie"] is tie
+        assert (r["num_divergent"], r["num_divergent_inherited"], r["lossless_up_to_ties"]) == (2, 1, tie)
 
 
 # --- end to end ------------------------------------------------------------------------------------

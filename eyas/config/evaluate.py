@@ -74,6 +74,8 @@ class EvaluateConfig:
     def __post_init__(self) -> None:
         require(self.max_context >= 16, f"evaluate.max_context={self.max_context} must be >= 16")
         require(self.max_seconds >= 0, f"evaluate.max_seconds={self.max_seconds} must be >= 0 (0 = no budget)")
+        require(self.tie_tolerance == -1 or 0 <= self.tie_tolerance <= 0.1,
+                f"evaluate.tie_tolerance={self.tie_tolerance}: a relative logit gap in [0, 0.1], or -1 (by dtype)")
         require(bool(self.bench), "evaluate.bench is empty: give `mtbench` or a JSONL file of prompts")
         require(self.num_questions >= 0, f"evaluate.num_questions={self.num_questions} must be >= 0 (0 = all)")
         require(self.max_new_tokens >= 1, f"evaluate.max_new_tokens={self.max_new_tokens} must be >= 1")

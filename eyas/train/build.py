@@ -125,10 +125,12 @@ def verify_shards(source, rank: int, world_size: int, device: torch.device) -> N
     t0, mine, err = time.perf_counter(), range(rank, len(source.shards), world_size), None
     try:
         nbytes = source.verify(mine)
-    except ArtifactError as e:
+    except Exception as e:  # any failure (corrupt shard, I/O error) reaches the collective, then is raised
         err, nbytes = e, 0
     if all_reduce_max(float(err is not None), device):
-        raise err or ArtifactError("an extract shard failed its sha256 check on another rank (its error names it)")
+        if err is not None:
+            raise err
+        raise ArtifactError("an extract shard failed its check on another rank (that rank's error names it)")
     source.mark_verified(range(len(source.shards)))
     if rank == 0:
         print(f"[eyas:train] checked the sha256 of {len(mine)} of {len(source.shards)} extract shards on this rank "
