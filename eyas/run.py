@@ -10,8 +10,9 @@ carries the same key is skipped (a line says so); a changed key re-runs that sta
 keys chain, every stage after it. A stage that stopped early at its time budget (regenerate,
 train: `max_seconds`, which is not part of the key) continues where it stopped when the run is
 repeated, unless `accept_partial` names it (its output is then used as it is); a stage that ran
-makes every stage after it run again on the new output. RUN_DIR holds one subdirectory per stage, `run.log` (everything
-printed) and `summary.json` (per-stage wall time and throughput, tau_chain, tau_tree,
+makes every stage after it run again on the new output (each meta.json records the hash of the
+meta.json of the output it was made from, so this holds across runs). RUN_DIR holds one
+subdirectory per stage, `run.log` (everything printed) and `summary.json` (per-stage wall time and throughput, tau_chain, tau_tree,
 acceptance_per_position, lossless, speedup).
 """
 
