@@ -12,8 +12,8 @@ train: `max_seconds`, which is not part of the key) continues where it stopped w
 repeated, unless `accept_partial` names it (its output is then used as it is); a stage that ran
 makes every stage after it run again on the new output (each meta.json records the hash of the
 meta.json of the output it was made from, so this holds across runs). RUN_DIR holds one
-subdirectory per stage, `run.log` (everything printed) and `summary.json` (per-stage wall time and throughput, tau_chain, tau_tree,
-acceptance_per_position, lossless, speedup).
+subdirectory per stage, `run.log` (everything printed) and `summary.json` (per-stage wall time and
+throughput, tau_chain, tau_tree, acceptance_per_position, lossless, speedup).
 """
 
 from __future__ import annotations
