@@ -16,7 +16,8 @@
 #               $KEEP/regenerated.jsonl.xz (from `keep`) it trains on those conversations instead and
 #               needs .carry/p2 on its first call
 #   evaluate    `eyas run --accept_partial=regenerate,train` (evaluate, summary)
-#   fp32        greedy float32 evaluation of the first questions: the lossless check without bf16 ties
+#   fp32        greedy float32 evaluation of questions $FP32_QUESTIONS (default: those whose bf16
+#               outputs forked in session 3; `evaluate` runs it too): the lossless check without bf16 ties
 # Files for BENCHMARKS.md land in $OUT.
 set -euo pipefail
 phase=$1
@@ -51,6 +52,20 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
+fp32_eval() {  # greedy float32 decoding of the MT-bench questions with these ids (comma list)
+    python3 - "$1" "$KEEP/mtbench.jsonl" "$KEEP/mtbench_fp32.jsonl" <<'PY'
+import json, sys
+ids = [int(i) for i in sys.argv[1].split(",")]
+rows = {r["question_id"]: r for r in map(json.loads, open(sys.argv[2]))}
+with open(sys.argv[3], "w") as f:
+    for i in ids:
+        f.write(json.dumps(rows[i]) + "\n")
+PY
+    timeout 150 $E evaluate $R $DATA --run_dir=$RUN --evaluate.dtype=float32 \
+        --evaluate.bench=$KEEP/mtbench_fp32.jsonl --evaluate.out_dir=/root/eval-fp32 || echo "eyas evaluate failed (rc $?)"
+    cp /root/eval-fp32/results.json "$OUT/evaluate_fp32_results.json"
+}
+
 case $phase in
 check)
     # graphs vs eager on the GPU (fp32 test), decoding speed, regenerate/train steady rates on a
@@ -82,11 +97,12 @@ keep)
     python3 -m pytest -q -x -p no:cacheprovider tests/test_spec_static.py -k "gpu or graphs" 2>&1 | tail -2 || true
     # regenerate's decode step reading only the slots written so far (kv_block 256) vs all of them
     cfg=$(ls -d .carry/cfg/smolcfg .carry/cfgmini/smolcfg 2>/dev/null | head -1 || true)
-    [[ -n $cfg ]] && timeout 150 python3 bench/regenerate_profile.py "$cfg" --rows 1024 \
+    [[ -n $cfg ]] && timeout 120 python3 bench/regenerate_profile.py "$cfg" --rows 1024 \
         --width 1536 --new 512 --kv-block 256 2048 --no-eager || echo "regenerate_profile failed (rc $?)"
-    # ~6.7 steps/s of 16384-token rows once compiled (session 3: 72-117k tok/s): 2400 steps fit
-    # 360 s; evaluate: ~5 s per MT-bench question with both modes and the baseline
-    echo "--train.max_steps=2400 --train.max_seconds=360 --evaluate.max_seconds=420" > "$KEEP/train_overrides"
+    # ~6.7 steps/s of 16384-token rows once compiled (session 3: 72-117k tok/s): ~2,800 steps fit
+    # 420 s, which leaves the train call ~100 s for prepare, extract and the shard check;
+    # evaluate: ~5 s per MT-bench question with both modes and the baseline
+    echo "--train.max_steps=3000 --train.max_seconds=420 --evaluate.max_seconds=420" > "$KEEP/train_overrides"
     stamp "train overrides: $(cat $KEEP/train_overrides)"
     ;;
 regenerate)
@@ -106,14 +122,14 @@ train)
     ;;
 evaluate)
     $E run $R $DATA $(cat "$KEEP/train_overrides") --accept_partial=regenerate,train || echo "eyas run failed (rc $?)"
-    cp $RUN/evaluate/results.json "$OUT/evaluate_results.json"
-    cp $RUN/run.log "$OUT/run.log"
-    cp $RUN/summary.json "$OUT/summary.json"
+    for f in evaluate/results.json run.log summary.json; do  # whatever there is: the fp32 check still runs
+        cp "$RUN/$f" "$OUT/$(echo $f | tr / _)" || echo "no $f"
+    done
+    # then float32 on the questions whose bf16 outputs forked (session 3), question 113 first
+    fp32_eval 113,136,124,95 || echo "float32 evaluation failed (rc $?)"
     ;;
 fp32)
-    $E evaluate $R $DATA --run_dir=$RUN --evaluate.dtype=float32 --evaluate.num_questions=${FP32_QUESTIONS:-10} \
-        --evaluate.out_dir=/root/eval-fp32 || echo "eyas evaluate failed (rc $?)"
-    cp /root/eval-fp32/results.json "$OUT/evaluate_fp32_results.json"
+    fp32_eval "${FP32_QUESTIONS:-113,136,124,95}"
     ;;
 *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

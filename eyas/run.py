@@ -203,8 +203,12 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
         if s == "train" and resuming and not stage_cfg.train.resume:
             stage_cfg = copy.deepcopy(stage_cfg)
             stage_cfg.train.resume = "auto"
-        t0 = time.perf_counter()
-        importlib.import_module(MODULES[s]).main(stage_cfg)
+        t0, started = time.perf_counter(), time.time()
+        try:
+            importlib.import_module(MODULES[s]).main(stage_cfg)
+        except Exception as e:
+            _record_failure(cfg, run_dir, record, s, out, e, time.perf_counter() - t0, started)
+            raise
         wall = time.perf_counter() - t0
         meta = artifacts.read_meta(out, s)  # a stage that wrote no complete meta.json is an error
         meta["run_key"] = keys[s]
@@ -228,6 +232,20 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
     if cfg.note:
         print(f"[eyas:run] note: {cfg.note}", flush=True)
     return record
+
+
+def _record_failure(cfg: EyasConfig, run_dir: Path, record: dict[str, Any], stage: str, out: Path,
+                    exc: Exception, wall: float, started: float) -> None:
+    """summary.json for a run a stage failed: the stages so far, the failure, and the evaluation's
+    numbers when evaluate wrote its results before failing (a lossless-check failure does)."""
+    record["stages"][stage] = {"status": "failed", "dir": str(out), "wall_s": round(wall, 2),
+                               "error": f"{type(exc).__name__}: {str(exc) or repr(exc)}"}
+    results = cfg.stage_dir("evaluate") / "results.json"
+    if stage == "evaluate" and results.is_file() and results.stat().st_mtime >= started:
+        record.update(_evaluation(results.parent))
+    record["failed_stage"] = stage
+    artifacts.atomic_write_json(run_dir / "summary.json", record)
+    print(f"[eyas:run] {stage} failed; what the run did so far: {run_dir / 'summary.json'}", file=sys.stderr, flush=True)
 
 
 def _throughput(stage: str, meta: dict[str, Any]) -> dict[str, Any]:

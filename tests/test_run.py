@@ -72,6 +72,15 @@ def test_run_end_to_end_then_skips(tmp_path, smollm2_dir, capsys):
     assert status == {"regenerate": "skipped", "prepare": "skipped", "extract": "skipped",
                       "train": "ran", "export": "ran", "evaluate": "ran"}
 
+    # a failing stage: exit non-zero, and summary.json says which stage failed and why
+    bad = tmp_path / "bad_bench.jsonl"
+    bad.write_text('{"turns": []}\n')
+    assert cli(["run", str(y), "--train.lr=2e-4", f"--evaluate.bench={bad}"]) == 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["failed_stage"] == "evaluate" and summary["stages"]["evaluate"]["status"] == "failed"
+    assert "bad_bench.jsonl:1" in summary["stages"]["evaluate"]["error"]
+    assert summary["stages"]["train"]["status"] == "skipped" and "tau_chain" not in summary  # results.json is older
+
 
 def counts(run, stage):
     return json.loads((run / stage / "meta.json").read_text())["counts"]
