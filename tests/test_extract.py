@@ -19,7 +19,7 @@ from eyas.capture import capture
 from eyas.config import load_config
 from eyas.errors import ArtifactError, ConfigError, DataError, EyasError
 from eyas.extract import plan
-from eyas.extract.backend import HFBackend, relative_error
+from eyas.extract.backend import HFBackend, ParityError, as_float32, check_parity, relative_error
 from eyas.prepared import Prepared
 from extract_helpers import save_tiny, subprocess_env, tiny_model, write_chats
 
@@ -142,6 +142,33 @@ def test_compiled_layers_same_states_and_eager_reference():
     assert seen == [False] and all("forward" in layer.__dict__ for layer in layers)
     compiled.close()
     assert not any("forward" in layer.__dict__ for layer in layers)
+
+
+def test_parity_past_tolerance_judged_against_float32():
+    """bf16 states that round differently from the plain bf16 forward (here: the float32 forward's,
+    rounded to bf16) fail a tolerance below that difference, then pass against the float32 forward;
+    another sample's states fail both. The float32 cast gives every weight and buffer back bit for bit."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    model.model.rotary_emb.inv_freq.data = model.model.rotary_emb.inv_freq.data.float()  # a mixed-dtype module
+    before = {n: t.clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    backend = HFBackend(model, [1, 3, 6], torch.bfloat16)
+    tokens, other = torch.randint(0, 5000, (40,)), torch.randint(0, 5000, (40,))
+    plain = backend.reference(tokens)
+    exact = backend.reference(tokens, float32=True)
+    assert exact.dtype == torch.float32
+    rounded = exact.to(torch.bfloat16)
+    gap = float(relative_error(rounded, plain).amax())
+    assert 0 < gap < 0.05  # rounding, not a different computation
+    assert check_parity(backend, [("s0", rounded, tokens), ("s0b", plain, tokens)], tol=gap / 4) == [pytest.approx(gap), 0]
+    with pytest.raises(ParityError, match="sample s1"):
+        check_parity(backend, [("s0", rounded, tokens), ("s1", backend.reference(other), tokens)], tol=gap / 4)
+    with pytest.raises(ParityError, match="sample s2"):  # shifted by one position
+        check_parity(backend, [("s2", torch.cat([plain[:1], plain[:-1]]), tokens)], tol=gap / 4)
+    for n, t in [*model.named_parameters(), *model.named_buffers()]:
+        assert t.dtype == before[n].dtype and torch.equal(t, before[n]), n
+    with pytest.raises(RuntimeError), as_float32(model):  # restored also when the body fails
+        raise RuntimeError("inside")
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
 
 
 # ---------------------------------------------------------------- end to end, parity per architecture

@@ -29,7 +29,8 @@ class ExtractConfig:
     verify: int = 0
     """Samples compared against a plain batch-1 forward in addition to the whole first batch."""
     parity_tol: float = 0.0
-    """Largest allowed per-token relative RMS error of the parity check; 0 = auto (0.05 for bf16/fp16, 1e-3 for fp32)."""
+    """Largest allowed per-token relative RMS error of the parity check; 0 = auto (0.05 for bf16/fp16, 1e-3 for fp32).
+    bf16/fp16 states past it are judged once more against a float32 forward (eyas/extract/backend.py check_parity)."""
     max_failures: int = 0
     """Samples allowed to fail (recorded in errors.jsonl and skipped) before the run stops; 0 = stop at the first."""
     allow_failures: bool = False
@@ -76,7 +77,8 @@ class ExtractConfig:
     """Show a tqdm progress bar on rank 0."""
     compile: bool = False
     """torch.compile the decoder layers (inductor, dynamic shapes; a minute or two of compiling at the
-    start). The parity check compares against the eager layers, so it also checks the compiler."""
+    start). The parity check compares against the eager layers, so it also checks the compiler (past
+    parity_tol, against a float32 forward: compiled bf16 layers round differently from eager ones)."""
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/extract."""
 

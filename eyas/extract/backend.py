@@ -4,7 +4,7 @@ The interface the rest of the stage relies on (eyas/extract/vllm_backend.py impl
 
     backend.layer_ids, backend.hidden_size, backend.num_layers, backend.dtype
     backend.forward(batch, tokens, timer=NULL_TIMER) -> states_TKD   # any device, backend.dtype; T = batch.num_tokens
-    backend.reference(tokens_S)    -> states_SKD   # plain batch-1 forward, the parity reference
+    backend.references([tokens_S, ...], float32=False) -> [states_SKD, ...]  # plain batch-1 forwards, the parity reference
 
 `states_TKD` holds the batch's samples back to back in `batch.indices` order; its K+1 layer entries
 are the aux states in `layer_ids` order, then the final-norm state. The writer, index and resume
@@ -29,7 +29,7 @@ Shapes: B batch, S sequence, T tokens of a batch, K layers (aux + final), D hidd
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
 import torch
@@ -114,18 +114,42 @@ class HFBackend:
                     states_NKD = states_NKD.index_select(0, index.to(states_NKD.device))
                 return states_NKD.to(self.dtype)
 
+    def reference(self, tokens_S: torch.Tensor, float32: bool = False) -> torch.Tensor:
+        return self.references([tokens_S], float32)[0]
+
     @torch.no_grad()
-    def reference(self, tokens_S: torch.Tensor) -> torch.Tensor:
-        """A plain batch-1 forward of the decoder, no hooks: aux k = hidden_states[k], final =
+    def references(self, tokens: list[torch.Tensor], float32: bool = False) -> list[torch.Tensor]:
+        """Plain batch-1 forwards of the decoder, no hooks: aux k = hidden_states[k], final =
         last_hidden_state (the final-norm output in every transformers version; hidden_states[-1]
-        is the same tensor in 5.x, tests/test_capture.py checks it)."""
-        with self._eager():  # the reference is the plain model, also when the layers are compiled
-            out = self.base(input_ids=self._to_device(tokens_S.view(1, -1)), output_hidden_states=True, use_cache=False)
+        is the same tensor in 5.x, tests/test_capture.py checks it). float32: with the weights
+        cast to float32 once for all of them (see `as_float32`)."""
+        # the reference is the plain model, also when the layers are compiled
+        with self._eager(), (as_float32(self.base) if float32 else nullcontext()):
+            return [self._plain(t) for t in tokens]
+
+    def _plain(self, tokens_S: torch.Tensor) -> torch.Tensor:
+        out = self.base(input_ids=self._to_device(tokens_S.view(1, -1)), output_hidden_states=True, use_cache=False)
         hs = out.hidden_states
         assert len(hs) == self.num_layers + 1, f"expected {self.num_layers + 1} hidden states, got {len(hs)}"
         final = getattr(out, "last_hidden_state", None)
         final = hs[-1] if final is None else final
         return torch.stack([hs[k][0].to(final.device) for k in self.layer_ids] + [final[0]], dim=1)
+
+
+@contextmanager
+def as_float32(module: nn.Module) -> Iterator[None]:
+    """The module's floating parameters and buffers in float32 for the duration, then each back to
+    its own dtype: bf16/fp16 -> fp32 -> bf16/fp16 is exact, so the weights come back bit for bit.
+    Needs float32 room for the weights for a moment (on an 8B model 32 GB)."""
+    tensors = [t for t in [*module.parameters(), *module.buffers()] if t.is_floating_point()]
+    dtypes = [t.dtype for t in tensors]
+    try:
+        for t in tensors:
+            t.data = t.data.float()
+        yield
+    finally:
+        for t, dtype in zip(tensors, dtypes):
+            t.data = t.data.to(dtype)
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
@@ -138,16 +162,46 @@ def relative_error(got_SKD: torch.Tensor, ref_SKD: torch.Tensor) -> torch.Tensor
     return (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)
 
 
-def check_parity(backend, states_SKD: torch.Tensor, tokens_S: torch.Tensor, tol: float, sample: str) -> float:
-    """Compare one sample's extracted states with the plain forward; ParityError past `tol`."""
-    ref_SKD = backend.reference(tokens_S)
-    if ref_SKD.shape != states_SKD.shape:
-        raise ParityError(f"sample {sample}: extracted states have shape {tuple(states_SKD.shape)}, "
-                          f"the plain forward {tuple(ref_SKD.shape)}")
-    err_SK = relative_error(states_SKD, ref_SKD)
-    per_layer = err_SK.amax(dim=0).tolist()  # .tolist(): a sync point, only on checked samples
-    worst = max(range(len(per_layer)), key=lambda j: per_layer[j])
-    if not per_layer[worst] <= tol:  # also catches NaN
+FLOOR_FACTOR = 1.5
+"""States past the tolerance still pass when, against a float32 forward, they are within this
+factor of the plain bf16/fp16 forward's own error (see check_parity)."""
+
+
+def check_parity(backend, checks: list[tuple[str, torch.Tensor, torch.Tensor]], tol: float) -> list[float]:
+    """Compare samples' extracted states with the plain forward; ParityError past `tol`.
+
+    checks: (sample id, extracted states_SKD, tokens_S) per sample. In bf16/fp16 two correct
+    computations of the same states differ by their rounding, and on a deep model (random weights
+    above all) that can exceed `tol`: a compiled layer rounds where the eager one does not. Samples
+    past `tol` are therefore judged once more against a float32 forward (the truth both
+    approximate; the weights are cast once for all of them): one passes when, layer by layer, its
+    error is at most FLOOR_FACTOR x the plain forward's own error (or `tol`). States of the wrong
+    sample, mask or position are far from both and still fail. -> the errors against the plain forward."""
+    refs = backend.references([t for _, _, t in checks])
+    errors, over = [], []
+    for (sample, states_SKD, tokens_S), ref_SKD in zip(checks, refs):
+        if ref_SKD.shape != states_SKD.shape:
+            raise ParityError(f"sample {sample}: extracted states have shape {tuple(states_SKD.shape)}, "
+                              f"the plain forward {tuple(ref_SKD.shape)}")
+        err_SK = relative_error(states_SKD, ref_SKD)
+        per_layer = err_SK.amax(dim=0).tolist()  # .tolist(): a sync point, only on checked samples
+        errors.append(max(per_layer))
+        if not all(e <= tol for e in per_layer):  # also catches NaN
+            over.append((sample, states_SKD, tokens_S, ref_SKD, err_SK, per_layer))
+    rounding = [False] * len(over)
+    if over and refs[0].dtype != torch.float32:
+        exacts = backend.references([o[2] for o in over], float32=True)
+        for j, ((sample, states_SKD, _, ref_SKD, _, per_layer), exact_SKD) in enumerate(zip(over, exacts)):
+            got_K = relative_error(states_SKD, exact_SKD).amax(dim=0)
+            floor_K = relative_error(ref_SKD, exact_SKD).amax(dim=0)
+            rounding[j] = bool((got_K <= torch.clamp(FLOOR_FACTOR * floor_K, min=tol)).all())
+            print(f"[eyas:extract] sample {sample}: relative error {max(per_layer):.3g} against the plain forward "
+                  f"(> tolerance {tol:g}); against a float32 forward {float(got_K.max()):.3g}, the plain forward's own "
+                  f"{float(floor_K.max()):.3g}: {'rounding, passes' if rounding[j] else 'fails'}", flush=True)
+    for (sample, states_SKD, _, ref_SKD, err_SK, per_layer), ok in zip(over, rounding):
+        if ok:
+            continue
+        worst = max(range(len(per_layer)), key=lambda j: per_layer[j] if per_layer[j] == per_layer[j] else float("inf"))
         names = [f"aux layer {k}" for k in backend.layer_ids] + ["final norm"]
         tok = int(err_SK[:, worst].argmax())
         abs_err = float((states_SKD[:, worst].float() - ref_SKD[:, worst].float().to(states_SKD.device)).abs().max())
@@ -157,4 +211,4 @@ def check_parity(backend, states_SKD: torch.Tensor, tokens_S: torch.Tensor, tol:
             "(extract.parity_tol); states would be stored for the wrong sample, mask or positions. "
             "Try --extract.pack=false or another --extract.attn_implementation"
         )
-    return per_layer[worst]
+    return errors

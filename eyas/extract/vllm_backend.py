@@ -371,14 +371,14 @@ class VLLMBackend:
         path = (out.kv_transfer_params or {}).get("hidden_states_path")
         return read_request(path, tokens_S, len(self.layer_ids) + 1, self.hidden_size, sample, out.request_id)
 
-    def reference(self, tokens_S: torch.Tensor) -> torch.Tensor:
-        """The HF backend's plain batch-1 forward (transformers, CPU), the parity reference."""
+    def references(self, tokens: list[torch.Tensor], float32: bool = False) -> list[torch.Tensor]:
+        """The HF backend's plain batch-1 forwards (transformers, CPU), the parity reference."""
         if self._ref_backend is None:
             if self._reference is None:
                 raise ConfigError("the vLLM backend has no parity reference here; set --extract.vllm_parity=0 "
                                   "and --extract.verify=0")
             self._ref_backend = self._reference()
-        return self._ref_backend.reference(tokens_S)
+        return self._ref_backend.references(tokens, float32)
 
     def close(self) -> None:
         """Shut the engine down (its worker processes), drop the reference model, delete the scratch dir."""
