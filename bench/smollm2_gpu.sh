@@ -119,6 +119,10 @@ train)
     cp $RUN/extract/meta.json "$OUT/extract_meta.json"
     cp $RUN/export/sglang/config.json "$OUT/export_sglang_config.json"
     cp $RUN/export/speculators/config.json "$OUT/export_speculators_config.json"
+    # the exported draft itself (~47 MB in bf16) in parts under the 16 MiB a returned file may have:
+    # `cat draft_model.safetensors.part* > model.safetensors` beside export_speculators_config.json
+    # (as config.json) lets the CPU evaluate the draft later
+    split -b 15000000 -d $RUN/export/speculators/model.safetensors "$OUT/draft_model.safetensors.part"
     ;;
 evaluate)
     $E run $R $DATA $(cat "$KEEP/train_overrides") --accept_partial=regenerate,train || echo "eyas run failed (rc $?)"
