@@ -19,14 +19,24 @@ forward (no cache) of the common prefix: within `tie_tolerance` of each other it
 (counted, reported); otherwise the run fails (exit 2) after results.json is written, naming the
 position and both logits.
 
+Under greedy with a chain mode, `teacher_forced` re-derives the chain decoder from the draft's
+training-time forward (eyas.spec.simulate): one plain target forward and one TTT forward per
+prompt over the target-only greedy output give the per-step accuracy as training measures it
+(acc_T, tau_hat) and the chain decoder's passes simulated from it (tau_sim), which must equal the
+measured ones (exactly in float32) wherever the chain's output is the target-only output. A low
+tau with a high acc_T and matching simulation is the data (domain shift); a mismatch is a
+train/serve difference in the decoder.
+
 Output (RUN_DIR/evaluate/): results.json (tau_chain / tau_tree, per-position acceptance,
-accepted-length histogram, times, speedup, lossless, per-prompt records), meta.json, config.yaml.
+accepted-length histogram, times, speedup, lossless, teacher_forced, per-prompt records),
+meta.json, config.yaml.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -307,11 +317,20 @@ def tie_tolerance(ec, dtype: torch.dtype) -> float:
     return {torch.bfloat16: 2**-6, torch.float16: 2**-9}.get(dtype, 1e-4)
 
 
+def tie_scale(la: float, lb: float) -> float:
+    """The power of two just above the largest of |la|, |lb| and 1: the top of the larger's binade.
+
+    A float's spacing is constant within a binade [2^e, 2^(e+1)), so 2^-6 x 2^(e+1) is four units
+    in the last place of a bfloat16 anywhere in it (2^-9: of a float16). Scaling by the magnitude
+    itself would allow four units at the top of a binade but only 2.8 at 1.4 x its bottom."""
+    return math.ldexp(1.0, math.frexp(max(abs(la), abs(lb), 1.0))[1])
+
+
 @torch.no_grad()
 def score_divergence(target, prompt_ids: list[int], ref: list[int], diff: dict[str, Any], rel_tol: float) -> dict[str, Any]:
     """The target's logits for the two tokens chosen at a first difference, from a plain forward
     (no cache, one pass) of the prompt and the common prefix; near_tie when they are within
-    rel_tol x the larger magnitude (at least 1) of each other and the better of them is as close to
+    rel_tol x tie_scale(both logits) of each other and the better of them is as close to
     the forward's top logit (else both decoders missed the top token: not a tie, a bug they share).
     A length difference (one output ended) is never a tie."""
     a, b = diff["target_only"], diff["speculative"]
@@ -321,7 +340,7 @@ def score_divergence(target, prompt_ids: list[int], ref: list[int], diff: dict[s
     ids = torch.tensor([prompt_ids + ref[: diff["position"]]], device=device)
     logits_V = target(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
     la, lb, top = float(logits_V[a]), float(logits_V[b]), float(logits_V.max())
-    gap, scale = abs(la - lb), max(abs(la), abs(lb), 1.0)
+    gap, scale = abs(la - lb), tie_scale(la, lb)
     tol = rel_tol * scale
     return {"logit_target_only": la, "logit_speculative": lb, "logit_gap": gap, "logit_top": top,
             "plain_forward_top1": int(logits_V.argmax()), "near_tie": gap <= tol and top - max(la, lb) <= tol}
@@ -394,6 +413,62 @@ def collect_results(
     }
 
 
+@torch.no_grad()
+def teacher_forced_chain(
+    target, draft, k: int, ref_runs: list[dict[str, Any]], chain_runs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The greedy chain decoder with k drafts simulated on the greedy outputs of `ref_runs`
+    (eyas.spec.simulate): per prompt one plain target forward (aux states, eyas.capture) and one
+    TTT forward of the draft over prompt + output. acc[i]: TTT step i's top-1 == the output token
+    it predicts, over every output token (as training's acc_T); tau_hat from acc as training logs
+    it; tau_sim etc.: the simulated passes, pooled (a pass running past a prompt's output counts
+    its lower bound). Where chain_runs[i] decoded the same prompt into the same output, its
+    measured passes are compared with the simulated ones (`SimulatedChain.matches`)."""
+    from eyas.capture import capture
+    from eyas.spec.simulate import label_mask, simulate_chain, teacher_forced_steps
+    from eyas.train.loss import acceptance_length
+
+    t0 = time.perf_counter()
+    device = target.get_input_embeddings().weight.device
+    layer_ids = list(draft.config.aux_layer_ids)
+    correct_T = torch.zeros(k, dtype=torch.long, device=device)
+    valid_T = torch.zeros(k, dtype=torch.long, device=device)
+    pooled, compared, mismatches = SpecStats(), 0, []
+    for ref, run in zip(ref_runs, chain_runs):
+        start = len(ref["prompt_ids"])
+        ids_S = torch.tensor(ref["prompt_ids"] + ref["gen"].tokens, device=device)
+        aux_1SKD, _ = capture(target, ids_S[None], layer_ids=layer_ids)
+        correct_TS = teacher_forced_steps(draft, aux_1SKD[0], ids_S, k, first_label=start)
+        correct_T += correct_TS.sum(1)
+        valid_T += label_mask(k, ids_S.shape[0], start, device).sum(1)
+        sim = simulate_chain(correct_TS, start, ids_S.shape[0], k)  # one host copy per prompt
+        pooled.merge(sim.stats())
+        if run["prompt_ids"] == ref["prompt_ids"] and run["gen"].tokens == ref["gen"].tokens:
+            compared += 1
+            if not sim.matches(run["gen"].stats):
+                mismatches.append({"id": run["id"], "turn": run["turn"], "simulated": sim.accepted,
+                                   "last_is_lower_bound": sim.last_is_lower_bound,
+                                   "decoder_histogram": list(run["gen"].stats.accept_counts)})
+    acc = (correct_T / valid_T.clamp(min=1)).tolist()
+    return {
+        "outputs": "target_only" if ref_runs is not chain_runs else "chain",
+        "num_draft_tokens": k,
+        "num_prompts": len(ref_runs),
+        "acc": acc,
+        "num_positions": valid_T.tolist(),
+        "tau_hat": acceptance_length(acc),
+        "tau_sim": pooled.tau,
+        "verify_passes": pooled.verify_passes,
+        "acceptance_per_position": pooled.acceptance_per_position(),
+        "accept_length_histogram": list(pooled.accept_counts),
+        "num_compared": compared,
+        "num_matching": compared - len(mismatches),
+        "matches_decoder": not mismatches if compared else None,
+        "mismatches": mismatches,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
 def main(cfg: EyasConfig) -> dict[str, Any]:
     ec = cfg.evaluate
     out_dir = cfg.stage_dir("evaluate")
@@ -428,6 +503,12 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         score=lambda base, ref, diff: score_divergence(s.target, base["prompt_ids"], ref, diff, rel_tol),
     )  # fmt: skip
     results["tie_tolerance"] = rel_tol
+    results["teacher_forced"] = None
+    if ec.teacher_forced and ec.temperature == 0 and "chain" in spec_runs:
+        # on the target-only outputs when they were decoded, else on the chain's own (greedy) ones
+        ref_runs = base_runs if base_runs is not None else spec_runs["chain"]
+        results["teacher_forced"] = teacher_forced_chain(s.target, s.draft, ec.num_draft_tokens, ref_runs,
+                                                         spec_runs["chain"])
     results["num_questions"] = done
     results["questions_requested"] = len(questions)
     results["stopped_early"] = done < len(questions)
@@ -497,6 +578,14 @@ def format_table(results: dict[str, Any]) -> str:
         cond = " ".join(f"{p['conditional']:.2f}" for p in r["acceptance_per_position"])
         lines.append(f"{mode} P(accept | reached) by position: {cond or '-'}")
         lines.append(f"{mode} accepted-length histogram: {r['accept_length_histogram']}")
+    tf = results.get("teacher_forced")
+    if tf:
+        agree = (f"matches decoder on {tf['num_matching']} of {tf['num_compared']} prompts" if tf["num_compared"]
+                 else "no prompt where the chain output is the reference output")
+        sim_cond = " ".join(f"{p['conditional']:.2f}" for p in tf["acceptance_per_position"])
+        lines.append(f"teacher-forced on {tf['outputs'].replace('_', '-')} outputs: acc "
+                     f"{' '.join(f'{a:.2f}' for a in tf['acc'])} tau_hat {tf['tau_hat']:.2f}; "
+                     f"simulated chain tau {tf['tau_sim']:.3f}, P(accept | reached) {sim_cond} ({agree})")
     if results["lossless_checked"]:
         lines.append(f"lossless (greedy == target-only greedy on every prompt): {results['lossless']}")
         if results["num_divergent"]:

@@ -11,7 +11,7 @@ import torch
 
 from eyas.config import load_config
 from eyas.errors import ConfigError, DataError
-from eyas.evaluate import collect_results, first_divergence, load_bench, load_eval_draft, score_divergence
+from eyas.evaluate import collect_results, first_divergence, load_bench, load_eval_draft, score_divergence, tie_scale
 from eyas.spec import Generation, SpecStats
 from spec_helpers import random_draft, tiny_llama
 
@@ -97,6 +97,19 @@ def test_collect_results_pools_tau_and_reports_divergence():
     assert r["lossless"] is None and r["speedup"] is None and r["target_only_wall_s"] is None
 
 
+@pytest.mark.parametrize("dtype,rel", [(torch.bfloat16, 2**-6), (torch.float16, 2**-9)])
+def test_default_tie_tolerance_is_four_units_in_the_last_place(dtype, rel):
+    """By dtype, a near-tie is four representable steps of that dtype wherever the logit lies in its
+    binade: 5.5625 vs 5.6875 in bf16 (H200, SmolLM2, question 128 of the session-4 run; float32
+    decoding of that question is exact) is a tie, one step more is not."""
+    for x in (1.0, 1.5, 3.99, 4.0, 5.6875, 7.9, 28.5, 100.0):
+        xd = torch.tensor(x, dtype=dtype)
+        up = torch.nextafter(xd, torch.tensor(1e4, dtype=dtype))
+        ulp = float(up - xd)
+        assert rel * tie_scale(float(xd), float(xd) - 4 * ulp) == 4 * ulp, (x, ulp)
+    assert 0.125 <= 2**-6 * tie_scale(5.6875, 5.5625) < 0.125 + 2**-5
+
+
 def test_score_divergence_reads_the_target_at_the_diverging_position():
     """The two tokens are scored by a plain forward at the first differing position: compared with
     one forward of the whole baseline sequence, the near-tie verdict flips exactly at the gap."""
@@ -111,7 +124,7 @@ def test_score_divergence_reads_the_target_at_the_diverging_position():
         top2 = row_V.topk(2)
         first, second = int(top2.indices[0]), int(top2.indices[1])
         gap = float(top2.values[0] - top2.values[1])
-        scale = max(abs(float(top2.values[0])), abs(float(top2.values[1])), 1.0)
+        scale = tie_scale(float(top2.values[0]), float(top2.values[1]))
         diff = {"position": pos, "target_only": first, "speculative": second}
         near = score_divergence(model, prompt, ref, diff, rel_tol=1.01 * gap / scale)
         assert near["near_tie"] and near["plain_forward_top1"] == first

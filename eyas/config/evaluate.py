@@ -50,11 +50,18 @@ class EvaluateConfig:
     one-token decode in bf16/fp16. Any other difference fails the run."""
     tie_tolerance: float = -1.0
     """Relative logit gap below which a greedy difference counts as a near-tie (see
-    lossless_check); -1 = by dtype: 2^-6 for bfloat16, 2^-9 for float16 (four units in the last
-    place), 1e-4 for float32."""
+    lossless_check), relative to the top of the larger logit's binade (the power of two just above
+    its magnitude, at least 1); -1 = by dtype: 2^-6 for bfloat16, 2^-9 for float16 (four units in
+    the last place anywhere in the binade), 1e-4 for float32."""
     measure_speedup: bool = True
     """Time target-only decoding on the same prompts and device (warm-up excluded) and report the
     wall-clock speedup. Under greedy with lossless_check the baseline runs anyway."""
+    teacher_forced: bool = True
+    """Greedy with a chain mode: after decoding, run the draft teacher-forced (its training-time
+    forward) on the target-only outputs and report per-step accuracy as training measures it,
+    tau_hat, and the chain decoder simulated from it, compared with the measured chain's
+    accepted-length histogram and per-position counts (results.json `teacher_forced`; see
+    eyas/spec/simulate.py). One target forward and one draft TTT forward per prompt."""
     cuda_graphs: bool = True
     """On CUDA: fixed-size KV caches and CUDA graphs for the target's verify/decode forwards, the
     draft's step 0 and its greedy chain (eyas/spec/static.py), for target-only decoding too.
