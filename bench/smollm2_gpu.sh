@@ -53,7 +53,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
 fp32_eval() {  # greedy float32 decoding of the MT-bench questions with these ids (comma list)
-    python3 - "$1" "$KEEP/mtbench.jsonl" "$KEEP/mtbench_fp32.jsonl" <<'PY'
+    rm -rf /root/eval-fp32 "$KEEP/mtbench_fp32.jsonl"  # nothing of an earlier call is copied as this one's
+    python3 - "$1" "$KEEP/mtbench.jsonl" "$KEEP/mtbench_fp32.jsonl" <<'PY' || return 1
 import json, sys
 ids = [int(i) for i in sys.argv[1].split(",")]
 rows = {r["question_id"]: r for r in map(json.loads, open(sys.argv[2]))}
@@ -63,7 +64,11 @@ with open(sys.argv[3], "w") as f:
 PY
     timeout 150 $E evaluate $R $DATA --run_dir=$RUN --evaluate.dtype=float32 \
         --evaluate.bench=$KEEP/mtbench_fp32.jsonl --evaluate.out_dir=/root/eval-fp32 || echo "eyas evaluate failed (rc $?)"
-    cp /root/eval-fp32/results.json "$OUT/evaluate_fp32_results.json"
+    if [[ -f /root/eval-fp32/results.json ]]; then
+        cp /root/eval-fp32/results.json "$OUT/evaluate_fp32_results.json"
+    else
+        echo "the float32 evaluation wrote no results"
+    fi
 }
 
 case $phase in

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -46,7 +47,7 @@ import torch
 from eyas import artifacts
 from eyas.assets import sha256_file
 from eyas.config import EyasConfig, dump_config, to_dict
-from eyas.errors import ArtifactError, ConfigError, DataError, EyasError
+from eyas.errors import ArtifactError, ConfigError, DataError, EyasError, describe_exception, exception_message
 from eyas.spec import Generation, SpecStats, speculative_generate, target_generate
 from eyas.target import describe_target, load_model, load_tokenizer, resolve_dtype
 
@@ -507,8 +508,13 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     if ec.teacher_forced and ec.temperature == 0 and "chain" in spec_runs:
         # on the target-only outputs when they were decoded, else on the chain's own (greedy) ones
         ref_runs = base_runs if base_runs is not None else spec_runs["chain"]
-        results["teacher_forced"] = teacher_forced_chain(s.target, s.draft, ec.num_draft_tokens, ref_runs,
-                                                         spec_runs["chain"])
+        try:
+            results["teacher_forced"] = teacher_forced_chain(s.target, s.draft, ec.num_draft_tokens, ref_runs,
+                                                             spec_runs["chain"])
+        except Exception as e:  # a diagnostic: keep the decoding results, fail the run after writing them
+            results["teacher_forced"] = {"error": describe_exception(e)}
+            print(f"[eyas:evaluate] the teacher-forced check failed: {type(e).__name__}: {exception_message(e)}\n"
+                  f"{results['teacher_forced']['error']['traceback']}", file=sys.stderr, flush=True)
     results["num_questions"] = done
     results["questions_requested"] = len(questions)
     results["stopped_early"] = done < len(questions)
@@ -556,6 +562,10 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
             f"mode {d['mode']}, question {d['id']} turn {d['turn']}, new token #{d['position']}: speculative "
             f"{d['speculative']} vs target-only {d['target_only']}{logits} (all in {out_dir / 'results.json'})"
         )
+    if (results["teacher_forced"] or {}).get("error"):
+        err = results["teacher_forced"]["error"]
+        raise EyasError(f"evaluate: the teacher-forced check failed ({err['type']}: {err['message']}); the decoding "
+                        f"results are in {out_dir / 'results.json'}; --evaluate.teacher_forced=false skips the check")
     return results
 
 
@@ -579,7 +589,9 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(f"{mode} P(accept | reached) by position: {cond or '-'}")
         lines.append(f"{mode} accepted-length histogram: {r['accept_length_histogram']}")
     tf = results.get("teacher_forced")
-    if tf:
+    if tf and "error" in tf:
+        lines.append(f"teacher-forced check failed: {tf['error']['type']}: {tf['error']['message']}")
+    elif tf:
         agree = (f"matches decoder on {tf['num_matching']} of {tf['num_compared']} prompts" if tf["num_compared"]
                  else "no prompt where the chain output is the reference output")
         sim_cond = " ".join(f"{p['conditional']:.2f}" for p in tf["acceptance_per_position"])

@@ -29,7 +29,7 @@ from typing import Any
 
 from eyas import artifacts
 from eyas.config import EyasConfig, to_dict
-from eyas.errors import ArtifactError, EyasError
+from eyas.errors import ArtifactError, EyasError, describe_exception, exception_message
 
 ORDER = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
 MODULES = {
@@ -53,10 +53,12 @@ SECTIONS = {
 
 # Keys that bound how long one invocation works on a stage or how it runs, not what the stage
 # produces: changing them neither invalidates an output nor re-runs a stage (so `--train.resume
-# auto` or a new budget never deletes a partial training). evaluate.max_seconds stays in the key:
+# auto` or a new budget never deletes a partial training; `--extract.allow_failures=true` accepts
+# an extraction's skipped samples without extracting again). evaluate.max_seconds stays in the key:
 # evaluation does not resume, so a larger budget has to re-run it.
 BUDGET_KEYS = {
     "regenerate": ("max_seconds",),
+    "extract": ("allow_failures", "progress"),
     "train": ("max_seconds", "resume", "num_workers", "tensorboard", "keep_checkpoints"),
 }
 RESUMABLE = ("regenerate", "train")  # a partial output of these is continued by the next run
@@ -177,6 +179,7 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
     keys = run_keys(configs, stages)
     cfg = configs[stages[-1]]
     print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
+    (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end or on failure
     record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
     changed = False  # a stage ran in this invocation: every later stage's output is out of date
     upstream = ""  # the hash of the previous stage's meta.json as this run leaves it
@@ -186,6 +189,10 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
         if state == "partial" and s in RESUMABLE and s not in cfg.accept_partial_stages():
             print(f"[eyas:run] {s}: partial ({partial_progress(s, meta)}, stopped at its time budget): continuing; "
                   f"--accept_partial={s} uses it as it is", flush=True)
+        elif state == "done" and s == "extract" and (meta.get("counts") or {}).get("failed") \
+                and not configs[s].extract.allow_failures:
+            print(f"[eyas:run] extract: {len(meta['counts']['failed'])} sample(s) failed last time: retrying them; "
+                  "--extract.allow_failures=true goes on without them", flush=True)
         elif state in ("done", "partial"):
             if state == "partial":
                 print(f"[eyas:run] {s}: partial output accepted ({partial_progress(s, meta)})", flush=True)
@@ -205,8 +212,8 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
             stage_cfg.train.resume = "auto"
         t0, started = time.perf_counter(), time.time()
         try:
-            importlib.import_module(MODULES[s]).main(stage_cfg)
-        except Exception as e:
+            rc = importlib.import_module(MODULES[s]).main(stage_cfg)
+        except BaseException as e:  # Ctrl-C too: the summary says where the run stopped
             _record_failure(cfg, run_dir, record, s, out, e, time.perf_counter() - t0, started)
             raise
         wall = time.perf_counter() - t0
@@ -215,6 +222,10 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
         meta["upstream"] = upstream
         meta["run_wall_s"] = round(wall, 2)
         artifacts.atomic_write_json(out / "meta.json", meta)
+        if isinstance(rc, int) and rc != 0:  # complete, but it skipped what it was not allowed to (extract)
+            e = EyasError(f"{s} exited with status {rc} (its reasons are printed above); the stages after it do not run")
+            _record_failure(cfg, run_dir, record, s, out, e, wall, started)
+            raise e
         upstream = artifacts.hash_json(meta)
         record["stages"][s] = {"status": "ran", "dir": str(out), "wall_s": round(wall, 2), **_throughput(s, meta),
                                "partial": is_partial(meta)}
@@ -236,16 +247,22 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
 
 def _record_failure(cfg: EyasConfig, run_dir: Path, record: dict[str, Any], stage: str, out: Path,
                     exc: Exception, wall: float, started: float) -> None:
-    """summary.json for a run a stage failed: the stages so far, the failure, and the evaluation's
-    numbers when evaluate wrote its results before failing (a lossless-check failure does)."""
-    record["stages"][stage] = {"status": "failed", "dir": str(out), "wall_s": round(wall, 2),
-                               "error": f"{type(exc).__name__}: {str(exc) or repr(exc)}"}
-    results = cfg.stage_dir("evaluate") / "results.json"
-    if stage == "evaluate" and results.is_file() and results.stat().st_mtime >= started:
-        record.update(_evaluation(results.parent))
+    """summary.json for a run a stage failed: the stages so far, the failure (type, message,
+    traceback), and the evaluation's numbers when evaluate wrote its results before failing (a
+    lossless-check failure does). A failure to write it is reported, never raised over `exc`."""
+    status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+    record["stages"][stage] = {"status": status, "dir": str(out), "wall_s": round(wall, 2),
+                               "error": describe_exception(exc)}
     record["failed_stage"] = stage
-    artifacts.atomic_write_json(run_dir / "summary.json", record)
-    print(f"[eyas:run] {stage} failed; what the run did so far: {run_dir / 'summary.json'}", file=sys.stderr, flush=True)
+    try:
+        results = cfg.stage_dir("evaluate") / "results.json"
+        if stage == "evaluate" and results.is_file() and results.stat().st_mtime >= started:
+            record.update(_evaluation(results.parent))
+        artifacts.atomic_write_json(run_dir / "summary.json", record)
+        print(f"[eyas:run] {stage} {status}; what the run did so far: {run_dir / 'summary.json'}", file=sys.stderr, flush=True)
+    except Exception as e:
+        print(f"[eyas:run] {stage} {status}, and writing summary.json failed too: {type(e).__name__}: "
+              f"{exception_message(e)}", file=sys.stderr, flush=True)
 
 
 def _throughput(stage: str, meta: dict[str, Any]) -> dict[str, Any]:

@@ -19,9 +19,9 @@ from eyas.capture import capture
 from eyas.config import load_config
 from eyas.errors import ArtifactError, ConfigError, DataError, EyasError
 from eyas.extract import plan
-from eyas.extract.backend import HFBackend, ParityError, as_float32, check_parity, relative_error
+from eyas.extract.backend import HFBackend, ParityError, as_float32, check_parity, float32_verdict, relative_error
 from eyas.prepared import Prepared
-from extract_helpers import save_tiny, subprocess_env, tiny_model, write_chats
+from extract_helpers import Poison, poison_backend, save_tiny, subprocess_env, tiny_model, write_chats
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_CHATS = 24
@@ -159,11 +159,21 @@ def test_parity_past_tolerance_judged_against_float32():
     rounded = exact.to(torch.bfloat16)
     gap = float(relative_error(rounded, plain).amax())
     assert 0 < gap < 0.05  # rounding, not a different computation
-    assert check_parity(backend, [("s0", rounded, tokens), ("s0b", plain, tokens)], tol=gap / 4) == [pytest.approx(gap), 0]
-    with pytest.raises(ParityError, match="sample s1"):
+    parity = check_parity(backend, [("s0", rounded, tokens), ("s0b", plain, tokens)], tol=gap / 4)
+    assert parity.errors == [pytest.approx(gap), 0] and parity.float32_judged == 1
+    with pytest.raises(ParityError, match="sample s1: .* not by rounding"):
         check_parity(backend, [("s0", rounded, tokens), ("s1", backend.reference(other), tokens)], tol=gap / 4)
     with pytest.raises(ParityError, match="sample s2"):  # shifted by one position
         check_parity(backend, [("s2", torch.cat([plain[:1], plain[:-1]]), tokens)], tol=gap / 4)
+    # wrong at 10 of 40 tokens, each within the plain forward's worst token: the mean gives it away
+    floor_SK = torch.full((40, 4), 1e-3)
+    floor_SK[0] = 0.2
+    got_SK = floor_SK.clone()
+    assert float32_verdict(got_SK, floor_SK, 1e-4) == ""
+    got_SK[30:] = 0.2
+    assert "more than 1.5x" in float32_verdict(got_SK, floor_SK, 1e-4)
+    # a plain forward far from float32 is no yardstick: even states close to it fail
+    assert "no yardstick" in float32_verdict(torch.zeros(40, 4), torch.full((40, 4), 0.3), gap / 4)
     for n, t in [*model.named_parameters(), *model.named_buffers()]:
         assert t.dtype == before[n].dtype and torch.equal(t, before[n]), n
     with pytest.raises(RuntimeError), as_float32(model):  # restored also when the body fails
@@ -325,38 +335,6 @@ def test_phase_timer_times_the_loop_on_cpu(tmp_path, prep, tiny_dirs, monkeypatc
 
 
 # ---------------------------------------------------------------- failures are never silent
-
-
-class Poison:
-    """A forward pre-hook raising `exc` on any batch holding `tokens` (or on every call after the first `after`)."""
-
-    def __init__(self, exc: BaseException, tokens: torch.Tensor | None = None, after: int = 0):
-        self.exc, self.tokens, self.after = exc, tokens, after
-
-    def __call__(self, module, args, kwargs):
-        ids_BS = kwargs.get("input_ids", args[0] if args else None)
-        if self.tokens is None:
-            self.after -= 1
-            if self.after < 0:
-                raise self.exc
-            return
-        n = self.tokens.numel()
-        rows = ids_BS.view(-1)[None] if ids_BS.shape[0] == 1 else ids_BS
-        for row in rows:
-            for start in range(0, row.numel() - n + 1):
-                if torch.equal(row[start : start + n], self.tokens):
-                    raise self.exc
-
-
-def poison_backend(monkeypatch, poison: Poison):
-    real = extract.make_backend
-
-    def make(cfg, setup, device):
-        backend = real(cfg, setup, device)
-        backend.base.register_forward_pre_hook(poison, with_kwargs=True)
-        return backend
-
-    monkeypatch.setattr(extract, "make_backend", make)
 
 
 @pytest.mark.parametrize("where", ["smoke test", "batch"])

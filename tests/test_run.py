@@ -10,7 +10,7 @@ import json
 import pytest
 
 from eyas.cli import main as cli
-from extract_helpers import save_tiny
+from extract_helpers import Poison, poison_backend, save_tiny
 
 
 
@@ -78,8 +78,9 @@ def test_run_end_to_end_then_skips(tmp_path, smollm2_dir, capsys):
     assert cli(["run", str(y), "--train.lr=2e-4", f"--evaluate.bench={bad}"]) == 2
     summary = json.loads((run / "summary.json").read_text())
     assert summary["failed_stage"] == "evaluate" and summary["stages"]["evaluate"]["status"] == "failed"
-    assert "bad_bench.jsonl:1" in summary["stages"]["evaluate"]["error"]
-    assert summary["stages"]["train"]["status"] == "skipped" and "tau_chain" not in summary  # results.json is older
+    error = summary["stages"]["evaluate"]["error"]
+    assert "bad_bench.jsonl:1" in error["message"] and error["type"].endswith("DataError") and "Traceback" in error["traceback"]
+    assert summary["stages"]["train"]["status"] == "skipped" and "tau_chain" not in summary
 
 
 def counts(run, stage):
@@ -144,3 +145,33 @@ def test_run_continues_partial_stages(tmp_path, smollm2_dir, capsys):
     steps = [json.loads(ln)["step"] for ln in (run / "train" / "metrics.jsonl").read_text().splitlines()
              if json.loads(ln)["split"] == "train"]
     assert steps == [1, 2, 3, 4]  # one curve, no step twice
+
+
+@pytest.mark.slow
+def test_run_stops_when_extract_drops_samples_then_retries_them(tmp_path, smollm2_dir, capsys, monkeypatch):
+    """extract skipping a failed sample (within max_failures) stops the run (exit 2, summary.json
+    says so); the next run retries that sample, or goes on without it under allow_failures
+    without extracting again."""
+    from eyas.prepared import Prepared
+
+    target = save_tiny("llama", tmp_path / "tiny", smollm2_dir)
+    y = str(recipe(tmp_path, target))
+    run = tmp_path / "run"
+    assert cli(["run", y, "--stop_after=prepare"]) == 0
+    samples = sorted(Prepared(run / "prepare"), key=lambda r: len(r["input_ids"]))
+    bad = samples[len(samples) // 2]  # the smoke test runs the shortest
+    poison_backend(monkeypatch, Poison(ValueError("poisoned sample"), bad["input_ids"]))
+    args = ["run", y, "--extract.max_failures=1", "--stop_after=train", "--train.max_steps=1"]
+    assert cli(args) == 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["failed_stage"] == "extract" and "status 1" in summary["stages"]["extract"]["error"]["message"]
+    assert not (run / "train").exists()
+    capsys.readouterr()
+    assert cli([*args, "--extract.allow_failures=true"]) == 0
+    assert stages_line(capsys.readouterr().out)["extract"] == "skipped"
+    assert counts(run, "extract")["failed"] == [bad["id"]]
+    monkeypatch.undo()
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    assert "1 sample(s) failed last time: retrying them" in out and stages_line(out)["extract"] == "ran"
+    assert counts(run, "extract")["failed"] == []

@@ -34,7 +34,8 @@ AUX = [0, 1, 2]
 def decoded():
     """Target, a partly fitted draft (W = 48 < V = 64), and per prompt: its greedy sequence (KNOWN
     new tokens), the decoder's Generation (MAX_NEW tokens) and its accepted length per pass."""
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one summation order for the decoder and the TTT forward alike
     target = tiny_llama(vocab=64, hidden=32, layers=4, seed=3, logit_scale=4.0)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 64, (6,), generator=g).tolist() for _ in range(3)]
@@ -60,7 +61,8 @@ def decoded():
         assert gen.tokens == seq[len(p) : len(p) + MAX_NEW]  # lossless: seq is the decoder's output too
         assert len(logits_W) == K * len(passes)
         runs.append({"prompt": p, "seq": seq, "gen": gen, "passes": passes, "logits_W": logits_W})
-    return target, draft, runs
+    yield target, draft, runs
+    torch.set_num_threads(threads)
 
 
 def simulated(target, draft, run, k=K) -> tuple[SimulatedChain, torch.Tensor]:

@@ -51,7 +51,7 @@ class EvaluateConfig:
     tie_tolerance: float = -1.0
     """Relative logit gap below which a greedy difference counts as a near-tie (see
     lossless_check), relative to the top of the larger logit's binade (the power of two just above
-    its magnitude, at least 1); -1 = by dtype: 2^-6 for bfloat16, 2^-9 for float16 (four units in
+    its magnitude, so at least 2); -1 = by dtype: 2^-6 for bfloat16, 2^-9 for float16 (four units in
     the last place anywhere in the binade), 1e-4 for float32."""
     measure_speedup: bool = True
     """Time target-only decoding on the same prompts and device (warm-up excluded) and report the

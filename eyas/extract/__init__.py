@@ -61,7 +61,7 @@ from eyas.capture import check_layer_ids, default_layer_ids
 from eyas.config import EyasConfig, dump_config, to_dict
 from eyas.errors import ConfigError, DataError, EyasError, exception_message, record_error
 from eyas.extract import plan, store, vllm_backend  # vllm_backend imports vLLM only when it starts an engine
-from eyas.extract.backend import HFBackend, check_parity, default_tolerance
+from eyas.extract.backend import HFBackend, Parity, check_parity, default_tolerance
 from eyas.extract.profile import NULL_TIMER, NullTimer
 from eyas.extract.writer import Failures, HostCopier, Writer
 from eyas.prepared import Prepared
@@ -246,7 +246,7 @@ def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: 
     shards = plan.group_shards(batches, setup.bytes_per_token, ec.shard_bytes)
     summary = {"rank": rank, "samples": len(mine), "tokens": sum(b.num_tokens for b in batches),
                "padded_tokens": sum(b.padded_tokens for b in batches), "batches": len(batches),
-               "parity_checked": 0, "parity_max_error": 0.0, "failed": [], "seconds": 0.0, "bytes": 0}
+               "parity_checked": 0, "parity_max_error": 0.0, "parity_float32_judged": 0, "failed": [], "seconds": 0.0, "bytes": 0}
     if not batches:
         return summary
     t0 = time.perf_counter()
@@ -281,9 +281,10 @@ def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: 
                 check = verify.intersection(batch.indices) - set(failed)
                 if check:
                     with timer.gpu("parity check"):
-                        errors = verify_batch(backend, batch, tokens, states_TKD, check, tol, setup.prepared.ids)
-                    summary["parity_checked"] += len(errors)
-                    summary["parity_max_error"] = max([summary["parity_max_error"], *errors])
+                        parity = verify_batch(backend, batch, tokens, states_TKD, check, tol, setup.prepared.ids)
+                    summary["parity_checked"] += len(parity.errors)
+                    summary["parity_max_error"] = max([summary["parity_max_error"], *parity.errors])
+                    summary["parity_float32_judged"] += parity.float32_judged
                 with timer.gpu("isfinite"):
                     finite_T = torch.isfinite(states_TKD).flatten(1).all(1)
                 pending = copier.copy(states_TKD, finite_T, timer)
@@ -312,8 +313,8 @@ def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: 
 
 
 def verify_batch(backend, batch: plan.Batch, tokens: list[torch.Tensor], states_TKD: torch.Tensor,
-                 verify: set[int], tol: float, ids: list[str]) -> list[float]:
-    """Parity of the batch's samples that are in `verify` (ParityError past tol); -> their errors."""
+                 verify: set[int], tol: float, ids: list[str]) -> Parity:
+    """Parity of the batch's samples that are in `verify` (ParityError past tol and not rounding)."""
     checks, start = [], 0
     for i, n, t in zip(batch.indices, batch.lengths, tokens):
         if i in verify:
@@ -360,7 +361,8 @@ def finalize(cfg: EyasConfig, setup: Setup, summaries: list[dict[str, Any]]) -> 
                      "padding_waste": round(1 - run_tokens / padded, 4) if padded else 0.0,
                      "world_size": len(summaries),
                      "parity_checked": sum(s["parity_checked"] for s in summaries),
-                     "parity_max_error": max((s["parity_max_error"] for s in summaries), default=0.0)},
+                     "parity_max_error": max((s["parity_max_error"] for s in summaries), default=0.0),
+                     "parity_float32_judged": sum(s.get("parity_float32_judged", 0) for s in summaries)},
     }
     extra: dict[str, Any] = {}
     if cfg.extract.backend == "vllm":
@@ -395,7 +397,8 @@ def print_summary(out: Path, meta: dict[str, Any]) -> None:
         f"  hidden states  {c['bytes'] / 1e9:>12.3f} GB in {c['shards']} shards; layers {meta['layer_ids']} + final, "
         f"D={meta['hidden_size']}, {meta['dtype']}",
         f"  speed          {r['tokens_per_s']:>12,.0f} tok/s over {r['seconds']:.1f} s on {r['world_size']} rank(s)",
-        f"  parity         {r['parity_checked']:>12,} samples vs a plain forward, max relative error {r['parity_max_error']:.2e}",
+        f"  parity         {r['parity_checked']:>12,} samples vs a plain forward, max relative error {r['parity_max_error']:.2e}"
+        + (f" ({r['parity_float32_judged']} past the tolerance, rounding by a float32 forward)" if r.get("parity_float32_judged") else ""),
     ]
     if c["failed"]:
         lines.append(f"  FAILED         {', '.join(c['failed'][:20])}{' ...' if len(c['failed']) > 20 else ''} (see errors.jsonl)")
