@@ -3,6 +3,8 @@
     python bench/train.py                          # Llama-3.1-8B dims: D 4096, V 128256, W 32000,
                                                    #   seq 2048, TTT 7, flex attention, bf16 autocast
     python bench/train.py --compile --pack 2       # torch.compile the decoder step; 2 x 2048 per row
+    python bench/train.py --grad-accum 4           # 4 micro-batches per optimizer step: tokens/s and
+                                                   #   peak memory against --grad-accum 1
     OUT=/tmp/o python bench/train.py               # also writes $OUT/bench_train.json
 
 It builds the draft with random weights and random-but-realistic inputs directly on the GPU
@@ -55,6 +57,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=2048, help="tokens per sample")
     p.add_argument("--pack", type=int, default=1, help="samples packed into one micro-batch row")
     p.add_argument("--ttt", type=int, default=7)
+    p.add_argument("--grad-accum", type=int, default=1,
+                   help="micro-batches per optimizer step (with > 1 each teacher matmul runs twice; counted)")
     p.add_argument("--loss-fraction", type=float, default=1.0, help="fraction of tokens with loss mask 1")
     p.add_argument("--attention", default="flex", choices=["auto", "flex", "sdpa"])
     p.add_argument("--compile", action="store_true", help="torch.compile the draft's decoder step")
@@ -130,7 +134,7 @@ def main() -> int:
     embed = (torch.randn(a.vocab, a.hidden, generator=g) * 0.02).to(dtype)
     head = (torch.randn(a.vocab, a.hidden, generator=g) * 0.02).to(dtype)
     layer_ids = [2, a.target_layers // 2, a.target_layers - 3]
-    source = Synthetic(a.pack, a.seq, 3, a.hidden, a.vocab, a.loss_fraction)
+    source = Synthetic(a.pack * a.grad_accum, a.seq, 3, a.hidden, a.vocab, a.loss_fraction)
     data = build.TrainData(source, d2t, t2d, layer_ids, embed, head, tcfg)
     cfg = load_config(None, [
         "--run_dir=/tmp/eyas-bench", f"--train.ttt_steps={a.ttt}", f"--train.max_tokens={a.seq * a.pack}",
@@ -139,16 +143,20 @@ def main() -> int:
     ])
     tr, dcfg = build.build_trainer(cfg, data, device, total_steps=10_000)
     pad = 128 if tr.attention == "flex" else 0
-    batch = pack([source[i] for i in range(a.pack)], a.ttt, a.seq * a.pack, pad).to(device)
-    flops = count_flops(dcfg, batch, a.ttt)
+    batches = [pack([source[j * a.pack + i] for i in range(a.pack)], a.ttt, a.seq * a.pack, pad).to(device)
+               for j in range(a.grad_accum)]
+    flops: dict[str, float] = {}
+    for b in batches:
+        for k, v in count_flops(dcfg, b, a.ttt).items():
+            flops[k] = flops.get(k, 0.0) + v * (2 if k == "teacher" and a.grad_accum > 1 else 1)
     total = sum(flops.values())
-    tokens = batch.num_tokens
+    tokens = sum(b.num_tokens for b in batches)
     print(f"draft {tr.draft.num_trainable_parameters() / 1e6:.1f}M trainable parameters; D {a.hidden}, V {a.vocab}, "
-          f"W {a.draft_vocab}, {a.pack} x {a.seq} tokens per step, TTT {a.ttt}, {tr.attention} attention, "
+          f"W {a.draft_vocab}, {a.grad_accum} x {a.pack} x {a.seq} tokens per step, TTT {a.ttt}, {tr.attention} attention, "
           f"compile {a.compile}", flush=True)
     t0 = time.perf_counter()
     for s in range(a.warmup):
-        train_step(tr, [batch], s)
+        train_step(tr, batches, s)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     print(f"warm-up ({a.warmup} steps, compilation included): {time.perf_counter() - t0:.1f} s", flush=True)
@@ -158,7 +166,7 @@ def main() -> int:
         start.record()
     w0 = time.perf_counter()
     for s in range(a.steps):
-        train_step(tr, [batch], a.warmup + s)
+        train_step(tr, batches, a.warmup + s)
     if device.type == "cuda":
         end.record()
         sync()
