@@ -32,12 +32,15 @@ R=recipes/smollm2-sharegpt.yaml
 RUN=/root/run  # outside the repo copy: its ignored folders (runs/) are cleared between calls
 DATA="--run_dir=$RUN --prepare.data=$KEEP/sharegpt_10000.jsonl --evaluate.bench=$KEEP/mtbench.jsonl"
 stamp() { echo "[smollm2_gpu $(date +%T)] $*"; }
+unpack_xz() {  # SRC.xz [DST]: decompressed to DST (default SRC without .xz)
+    python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" "$1" "${2:-${1%.xz}}"
+}
 
 if [[ $phase == keep ]]; then
     cp .carry/p1/* .carry/r1/* "$KEEP/"
     [[ -d .carry/regen ]] && cp .carry/regen/* "$KEEP/"
     for f in "$KEEP"/*.jsonl.xz; do
-        python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[1][:-3], 'wb'))" "$f"
+        unpack_xz "$f"
     done
 fi
 join_gguf() {  # the GGUF's second half travels with this call, its first half with `keep`
@@ -78,7 +81,7 @@ check)
     # graphs vs eager on the GPU (fp32 test), decoding speed, regenerate/train steady rates on a
     # random-weight SmolLM2-shaped target; carries .carry/r1 and .carry/cfg only
     cp .carry/r1/* "$KEEP/"
-    python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('$KEEP/sharegpt_10000.jsonl.xz'), open('$KEEP/sharegpt_10000.jsonl', 'wb'))"
+    unpack_xz "$KEEP/sharegpt_10000.jsonl.xz"
     python3 - <<'PY'
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -124,9 +127,7 @@ regenerate_rest)
     # kept: the next `train` trains on both. Run it again to regenerate more (it continues).
     join_gguf
     [[ -f $KEEP/regenerated_s3.jsonl ]] || cp "$KEEP/regenerated.jsonl" "$KEEP/regenerated_s3.jsonl"
-    if [[ ! -f $KEEP/sharegpt_rest.jsonl ]]; then
-        python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.carry/r2/sharegpt_rest.jsonl.xz'), open('$KEEP/sharegpt_rest.jsonl', 'wb'))"
-    fi
+    [[ -f $KEEP/sharegpt_rest.jsonl ]] || unpack_xz .carry/r2/sharegpt_rest.jsonl.xz "$KEEP/sharegpt_rest.jsonl"
     $E run $R --run_dir=/root/run-rest --prepare.data=$KEEP/sharegpt_rest.jsonl --evaluate.bench=$KEEP/mtbench.jsonl \
         --regenerate.max_seconds=${REGEN_SECONDS:-420} --stop_after=regenerate
     cat "$KEEP/regenerated_s3.jsonl" /root/run-rest/regenerate/conversations.jsonl > "$KEEP/regenerated.jsonl"

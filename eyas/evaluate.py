@@ -438,8 +438,12 @@ def teacher_forced_chain(
     for ref, run in zip(ref_runs, chain_runs):
         start = len(ref["prompt_ids"])
         ids_S = torch.tensor(ref["prompt_ids"] + ref["gen"].tokens, device=device)
-        aux_1SKD, _ = capture(target, ids_S[None], layer_ids=layer_ids)
-        correct_TS = teacher_forced_steps(draft, aux_1SKD[0], ids_S, k, first_label=start)
+        try:
+            aux_1SKD, _ = capture(target, ids_S[None], layer_ids=layer_ids)
+            correct_TS = teacher_forced_steps(draft, aux_1SKD[0], ids_S, k, first_label=start)
+        except Exception as e:  # which prompt: the caller records type, message and the chained traceback
+            raise EyasError(f"question {ref['id']} turn {ref['turn']} ({ids_S.shape[0]} tokens): "
+                            f"{type(e).__name__}: {exception_message(e)}") from e
         correct_T += correct_TS.sum(1)
         valid_T += label_mask(k, ids_S.shape[0], start, device).sum(1)
         sim = simulate_chain(correct_TS, start, ids_S.shape[0], k)  # one host copy per prompt

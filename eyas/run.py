@@ -29,7 +29,7 @@ from typing import Any
 
 from eyas import artifacts
 from eyas.config import EyasConfig, to_dict
-from eyas.errors import ArtifactError, EyasError, describe_exception, exception_message
+from eyas.errors import ArtifactError, EyasError, describe_exception
 
 ORDER = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
 MODULES = {
@@ -260,9 +260,10 @@ def _record_failure(cfg: EyasConfig, run_dir: Path, record: dict[str, Any], stag
             record.update(_evaluation(results.parent))
         artifacts.atomic_write_json(run_dir / "summary.json", record)
         print(f"[eyas:run] {stage} {status}; what the run did so far: {run_dir / 'summary.json'}", file=sys.stderr, flush=True)
-    except Exception as e:
-        print(f"[eyas:run] {stage} {status}, and writing summary.json failed too: {type(e).__name__}: "
-              f"{exception_message(e)}", file=sys.stderr, flush=True)
+    except Exception as e:  # reported in full; the stage's own exception is the one re-raised
+        d = describe_exception(e)
+        print(f"[eyas:run] {stage} {status}, and writing summary.json failed too: {d['type']}: {d['message']}\n"
+              f"{d['traceback']}", file=sys.stderr, flush=True)
 
 
 def _throughput(stage: str, meta: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ Shapes: B batch, S sequence, T tokens of a batch, K layers (aux + final), D hidd
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterator
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 from eyas.capture import HiddenStateCapture, base_model, text_config
-from eyas.errors import EyasError, exception_message
+from eyas.errors import EyasError, describe_exception, exception_message
 from eyas.extract.plan import Batch
 from eyas.extract.profile import NULL_TIMER, NullTimer
 
@@ -207,12 +208,17 @@ def check_parity(backend, checks: list[tuple[str, torch.Tensor, torch.Tensor]], 
     if not over:
         return result
     judged = [""] * len(over)  # per sample over tol: "" = passes against float32, else why not
+    cause: Exception | None = None
     if refs[0].dtype == torch.float32:
         judged = ["float32 states"] * len(over)
     else:
         try:
             exacts = backend.references([o[2] for o in over], float32=True)
-        except Exception as e:  # flash attention refuses fp32, offloaded weights, out of memory: say so
+        except Exception as e:  # flash attention refuses fp32, offloaded weights, out of memory: say so, fail below
+            cause = e
+            d = describe_exception(e)
+            print(f"[eyas:extract] samples {', '.join(o[0] for o in over)}: the float32 forward that judges bf16/fp16 "
+                  f"rounding failed: {d['type']}: {d['message']}\n{d['traceback']}", file=sys.stderr, flush=True)
             judged = [f"the float32 forward that judges bf16/fp16 rounding failed ({type(e).__name__}: "
                       f"{exception_message(e)})"] * len(over)
         else:
@@ -233,7 +239,7 @@ def check_parity(backend, checks: list[tuple[str, torch.Tensor, torch.Tensor]], 
             f"{per_layer[worst]:.4g} (max abs error {abs_err:.4g}, first at token {tok}) > tolerance {tol:g} "
             f"(extract.parity_tol), and not by rounding: {why}. States would be stored for the wrong sample, "
             "mask or positions. Try --extract.pack=false or another --extract.attn_implementation"
-        )
+        ) from cause
     return result
 
 
