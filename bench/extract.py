@@ -29,6 +29,12 @@ first parity reference). Their compile time (warm-up forwards of the shapes the 
 reported apart and not counted in tok/s; the table flags a graph compiled during a timed run. --profile times each phase of the extract loop (CUDA events, no added syncs) and the
 writer threads. Variants that would end past --deadline-s are skipped, and the JSON is rewritten
 after each variant, so a slow compile still leaves a table.
+
+--discard measures runs longer than the disk holds (one H200 machine here has 64 GB: ~1.8M tokens of
+Llama-3.1-8B states): as soon as a shard is complete (written, fsynced, renamed, journaled) a
+thread truncates it to a sparse file of the same size, so its bytes have reached the disk and are
+counted but stop occupying it; the stage's free-disk check then asks for room for the shards in
+flight only. The states are unreadable afterwards (the bench deletes them anyway).
 """
 
 from __future__ import annotations
@@ -115,6 +121,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--no-naive", action="store_true", help="skip the naive loop")
     p.add_argument("--deadline-s", type=float, default=400, help="skip variants that would end later than this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--discard", action="store_true",
+                   help="free each shard's disk blocks once it is complete: runs longer than the disk (see above)")
     return p.parse_args()
 
 
@@ -197,7 +205,58 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_eyas(root: Path, conf_dir: Path, backend, out: Path, v: Variant, timer, extra: tuple[str, ...] = ()) -> dict:
+class ShardDiscarder(threading.Thread):
+    """--discard: each shard the journals list is truncated to a sparse file of its listed size (the
+    stage's completion check compares sizes only), so a run can write more than the disk holds."""
+
+    def __init__(self, out: Path):
+        super().__init__(daemon=True, name="eyas-bench-discard")
+        self.out, self.done, self.stop, self.error = out, set(), threading.Event(), None
+
+    def sweep(self) -> None:
+        for journal in sorted((self.out / extract.store.PROGRESS_DIR).glob("r*.jsonl")):
+            for line in journal.read_text(encoding="utf-8").split("\n"):
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # empty, or being appended right now: the next sweep sees it whole
+                if entry["shard"] not in self.done:
+                    os.truncate(self.out / entry["shard"], 0)
+                    os.truncate(self.out / entry["shard"], entry["bytes"])
+                    self.done.add(entry["shard"])
+
+    def run(self) -> None:
+        try:
+            while not self.stop.wait(0.1):
+                self.sweep()
+            self.sweep()
+        except BaseException as e:  # re-raised by the main thread in finish()
+            self.error = e
+
+    def finish(self) -> int:
+        self.stop.set()
+        self.join()
+        if self.error is not None:
+            raise RuntimeError(f"--discard: freeing a finished shard failed: {self.error!r}") from self.error
+        return len(self.done)
+
+
+def check_disk_in_flight(s, rank: int, world_size: int, n: int) -> None:
+    """--discard's free-disk check: room for the shards being written at once (two writers, ~1 GB each
+    by default, with a wide margin), not for the whole run."""
+    need = 8 << 30
+    free = shutil.disk_usage(s.out).free
+    print(f"[bench] --discard: {len(s.remaining):,} samples; each shard is freed once complete; {free / 1e9:.1f} GB free "
+          f"(needs {need / 1e9:.1f} GB for the shards in flight)", file=sys.stderr, flush=True)
+    if need > free:
+        raise RuntimeError(f"--discard: {free / 1e9:.2f} GB free at {s.out}, the shards in flight need {need / 1e9:.2f} GB")
+
+
+CHECK_DISK = extract._check_disk
+
+
+def run_eyas(root: Path, conf_dir: Path, backend, out: Path, v: Variant, timer, extra: tuple[str, ...] = (),
+             discard: bool = False) -> dict:
     overrides = [f"--run_dir={root}", f"--prepare.out_dir={root / 'prepare'}", f"--target.model={conf_dir}",
                  f"--extract.out_dir={out}", f"--extract.token_budget={v.token_budget}",
                  f"--extract.writer_queue={v.writer_queue}", f"--extract.pack={str(v.pack).lower()}",
@@ -206,17 +265,26 @@ def run_eyas(root: Path, conf_dir: Path, backend, out: Path, v: Variant, timer, 
     # the model is already in memory: hand the stage this backend instead of loading weights from disk
     extract.make_backend = lambda cfg, setup, device: backend
     extract.extract_rank = functools.partial(EXTRACT_RANK, timer=timer) if timer is not None else EXTRACT_RANK
+    discarder = ShardDiscarder(out) if discard else None
+    if discarder is not None:
+        extract._check_disk = check_disk_in_flight
+        discarder.start()
     stage_log = io.StringIO()  # the stage's own summary: the table says the same; shown if it fails
     try:
         t0 = time.perf_counter()
         with contextlib.redirect_stdout(stage_log):
             meta = extract.run(cfg)
         wall = time.perf_counter() - t0
+        freed = discarder.finish() if discarder is not None else 0
     except BaseException:
         print(stage_log.getvalue(), end="", flush=True)
+        if discarder is not None and discarder.is_alive():
+            discarder.stop.set()
         raise
     finally:
-        extract.make_backend, extract.extract_rank = MAKE_BACKEND, EXTRACT_RANK
+        extract.make_backend, extract.extract_rank, extract._check_disk = MAKE_BACKEND, EXTRACT_RANK, CHECK_DISK
+    if discarder is not None and freed != meta["counts"]["shards"]:
+        raise RuntimeError(f"--discard freed {freed} shards of the {meta['counts']['shards']} written")
     r = meta["counts"]["this_run"]
     return {"tokens": r["tokens"], "seconds": r["seconds"], "tok_s": r["tokens_per_s"], "wall_s_with_preflight": wall,
             "padding_waste": r["padding_waste"], "gb_written": meta["counts"]["bytes"] / 1e9,
@@ -426,13 +494,14 @@ def run_variant(v: Variant, ctx: dict) -> dict:
     graphs = counters["stats"]["unique_graphs"]
     try:
         try:
-            r["eyas"] = run_eyas(ctx["root"], ctx["conf_dir"], backend, out, v, timer)
+            r["eyas"] = run_eyas(ctx["root"], ctx["conf_dir"], backend, out, v, timer, discard=args.discard)
         except ParityError as e:
             r["parity_error"] = str(e)
             log(f"PARITY CHECK FAILED in {v.name} (re-running without it to time the rest): {e}")
             shutil.rmtree(out, ignore_errors=True)
             timer = PhaseTimer(device) if args.profile else None
-            r["eyas"] = run_eyas(ctx["root"], ctx["conf_dir"], backend, out, v, timer, ("--extract.parity_tol=1e9",))
+            r["eyas"] = run_eyas(ctx["root"], ctx["conf_dir"], backend, out, v, timer, ("--extract.parity_tol=1e9",),
+                                 discard=args.discard)
         r["graphs_compiled_in_run"] = counters["stats"]["unique_graphs"] - graphs  # > 0: a compile was timed
         if device.type == "cuda":
             r["peak_gpu_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
