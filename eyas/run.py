@@ -4,7 +4,8 @@
     eyas run recipes/smollm2-sharegpt.yaml --train.epochs=3     # re-runs train, export, evaluate
 
 Stages: regenerate (only with `regenerate.enabled`; prepare then reads its conversations) ->
-prepare -> extract -> train -> export -> evaluate. Each stage has a *run key*: the hash of the config
+prepare -> extract (not with `train.mode=online`: the target then runs inside training, and no
+hidden states are written) -> train -> export -> evaluate. Each stage has a *run key*: the hash of the config
 sections that define its output and of the key of the stage before it. A stage whose `meta.json`
 carries the same key is skipped (a line says so); a changed key re-runs that stage, and since the
 keys chain, every stage after it. A stage that stopped early at its time budget (regenerate,
@@ -66,8 +67,10 @@ RESUMABLE = ("regenerate", "train")  # a partial output of these is continued by
 
 def stage_plan(cfg: EyasConfig) -> tuple[dict[str, EyasConfig], list[str]]:
     """The stages to run and the config each sees: with regenerate enabled, regenerate reads
-    `prepare.data` and every later stage sees prepare reading regenerate's conversations."""
-    stages = [s for s in ORDER if s != "regenerate" or cfg.regenerate.enabled]
+    `prepare.data` and every later stage sees prepare reading regenerate's conversations; online
+    training needs no extract stage."""
+    stages = [s for s in ORDER if (s != "regenerate" or cfg.regenerate.enabled)
+              and (s != "extract" or cfg.train.mode != "online")]
     later = copy.deepcopy(cfg)
     if cfg.regenerate.enabled:
         later.prepare.data = str(cfg.stage_dir("regenerate") / "conversations.jsonl")

@@ -175,3 +175,16 @@ def test_run_stops_when_extract_drops_samples_then_retries_them(tmp_path, smollm
     out = capsys.readouterr().out
     assert "1 sample(s) failed last time: retrying them" in out and stages_line(out)["extract"] == "ran"
     assert counts(run, "extract")["failed"] == []
+
+
+def test_online_training_plans_no_extract_stage(tmp_path):
+    from eyas.config import load_config
+    from eyas.run import run_keys, stage_plan
+
+    y = recipe(tmp_path, "unused-target")
+    offline = stage_plan(load_config(str(y), []))[1]
+    configs, online = stage_plan(load_config(str(y), ["--train.mode=online"]))
+    assert offline == ["regenerate", "prepare", "extract", "train", "export", "evaluate"]
+    assert online == ["regenerate", "prepare", "train", "export", "evaluate"]
+    keys = run_keys(configs, online)  # train's key chains from prepare's, and differs from offline's
+    assert keys["train"] != run_keys(*stage_plan(load_config(str(y), [])))["train"]
