@@ -32,7 +32,7 @@ after each variant, so a slow compile still leaves a table.
 
 --discard measures runs longer than the disk holds (one H200 machine here has 64 GB: ~1.8M tokens of
 Llama-3.1-8B states): as soon as a shard is complete (written, fsynced, renamed, journaled) a
-thread truncates it to a sparse file of the same size, so its bytes have reached the disk and are
+thread replaces it with a sparse file of the same size, so its bytes have reached the disk and are
 counted but stop occupying it; the stage's free-disk check then asks for room for the shards in
 flight only. The states are unreadable afterwards (the bench deletes them anyway).
 """
@@ -206,7 +206,7 @@ def sync(device: torch.device) -> None:
 
 
 class ShardDiscarder(threading.Thread):
-    """--discard: each shard the journals list is truncated to a sparse file of its listed size (the
+    """--discard: each shard the journals list is replaced by a sparse file of its listed size (the
     stage's completion check compares sizes only), so a run can write more than the disk holds."""
 
     def __init__(self, out: Path):
@@ -220,9 +220,12 @@ class ShardDiscarder(threading.Thread):
                     entry = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # empty, or being appended right now: the next sweep sees it whole
-                if entry["shard"] not in self.done:
-                    os.truncate(self.out / entry["shard"], 0)
-                    os.truncate(self.out / entry["shard"], entry["bytes"])
+                if entry["shard"] not in self.done:  # a sparse twin replaces it: its size never changes
+                    path = self.out / entry["shard"]
+                    twin = path.with_name(path.name + ".discard")
+                    with open(twin, "wb") as f:
+                        f.truncate(entry["bytes"])
+                    os.replace(twin, path)
                     self.done.add(entry["shard"])
 
     def run(self) -> None:
@@ -278,8 +281,11 @@ def run_eyas(root: Path, conf_dir: Path, backend, out: Path, v: Variant, timer, 
         freed = discarder.finish() if discarder is not None else 0
     except BaseException:
         print(stage_log.getvalue(), end="", flush=True)
-        if discarder is not None and discarder.is_alive():
+        if discarder is not None:
             discarder.stop.set()
+            discarder.join()
+            if discarder.error is not None:  # e.g. the disk filled because shards were no longer freed
+                log(f"--discard had failed before: {discarder.error!r}")
         raise
     finally:
         extract.make_backend, extract.extract_rank, extract._check_disk = MAKE_BACKEND, EXTRACT_RANK, CHECK_DISK

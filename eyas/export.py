@@ -457,7 +457,7 @@ def check_against_stages(
     t2d: torch.Tensor,
     train_meta: dict[str, Any] | None,
     prepare_dir: Path,
-    extract_dir: Path,
+    extract_dir: Path | None,
     target_config: Any | None = None,
     target_model: str = "",
 ) -> list[str]:
@@ -475,7 +475,9 @@ def check_against_stages(
         notes.append(check_prepare(c, d2t, t2d, prepare_dir, (inputs.get("prepare") or {}).get("meta_sha256")))
     else:
         notes.append(f"no prepare output at {prepare_dir}: vocabulary not cross-checked")
-    if (extract_dir / "meta.json").is_file():
+    if extract_dir is None:
+        notes.append("trained online (no extract stage): aux layer ids not cross-checked with an extract output")
+    elif (extract_dir / "meta.json").is_file():
         num_layers = getattr(target_config, "num_hidden_layers", None)
         notes.append(check_extract(c, extract_dir, (inputs.get("extract") or {}).get("meta_sha256"), num_layers))
     else:
@@ -526,7 +528,9 @@ def main(cfg) -> int:
     c = model.config
     tcfg = load_config(cfg.target)
     prepare_dir = stage_dir_for(e.prepare_dir, train_meta, "prepare", run)
-    extract_dir = stage_dir_for(e.extract_dir, train_meta, "extract", run)
+    online = (((train_meta or {}).get("config") or {}).get("train") or {}).get("mode") == "online"
+    # a draft trained online read no extract output: one left in RUN_DIR by an earlier run is not its data
+    extract_dir = None if online and not e.extract_dir else stage_dir_for(e.extract_dir, train_meta, "extract", run)
     notes = check_against_stages(c, model.d2t, model.t2d, train_meta, prepare_dir, extract_dir, tcfg, cfg.target.model)
     out = cfg.stage_dir("export")
     out.mkdir(parents=True, exist_ok=True)

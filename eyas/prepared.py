@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,20 @@ class Prepared:
         i %= len(self)
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return {"input_ids": self._ids[a:b].long(), "loss_mask": self._mask[a:b].long(), "id": self.ids[i], "index": i}
+
+    def prompt_keys(self) -> list[bytes]:
+        """Per sample, a 16-byte hash of its tokens before its first loss token (all of them if it
+        has none): equal keys = identical prompts."""
+        n = len(self)
+        starts, ends = self.offsets[:-1], self.offsets[1:]
+        trained = self._mask.nonzero().flatten()
+        # the first loss token at or after each sample's start, if it lies inside the sample
+        first = trained[torch.searchsorted(trained, starts).clamp(max=max(trained.numel() - 1, 0))] \
+            if trained.numel() else ends.clone()
+        end = torch.where((first >= starts) & (first < ends), first, ends).tolist()
+        ids = self._ids.numpy()
+        return [hashlib.blake2b(ids[a:b].tobytes(), digest_size=16).digest()
+                for a, b in zip(starts.tolist()[:n], end)]
 
     def __repr__(self) -> str:
         return f"Prepared({str(self.dir)!r}, samples={len(self)}, draft_vocab={self.d2t.numel()})"

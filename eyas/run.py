@@ -30,7 +30,7 @@ from typing import Any
 
 from eyas import artifacts
 from eyas.config import EyasConfig, to_dict
-from eyas.errors import ArtifactError, EyasError, describe_exception
+from eyas.errors import ArtifactError, ConfigError, EyasError, describe_exception
 
 ORDER = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
 MODULES = {
@@ -179,6 +179,9 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
 
 def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
     configs, stages = stage_plan(cfg)
+    if cfg.stop_after and cfg.stop_after not in stages:
+        raise ConfigError(f"--stop_after={cfg.stop_after}: this run has no {cfg.stop_after} stage (its stages: "
+                          f"{', '.join(stages)}; regenerate needs regenerate.enabled, extract train.mode=offline)")
     keys = run_keys(configs, stages)
     cfg = configs[stages[-1]]
     print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)

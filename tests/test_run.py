@@ -188,3 +188,8 @@ def test_online_training_plans_no_extract_stage(tmp_path):
     assert online == ["regenerate", "prepare", "train", "export", "evaluate"]
     keys = run_keys(configs, online)  # train's key chains from prepare's, and differs from offline's
     assert keys["train"] != run_keys(*stage_plan(load_config(str(y), [])))["train"]
+    from eyas.errors import ConfigError
+    from eyas.run import main as run
+
+    with pytest.raises(ConfigError, match="no extract stage"):  # not: every stage runs and never stops
+        run(load_config(str(y), ["--train.mode=online", "--stop_after=extract"]))

@@ -335,3 +335,45 @@ def test_kill_9_then_resume_continues_the_same_loss_curve(tmp_path, smol_prep, t
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-6), (a["step"], a["loss"], b["loss"])
         assert a["acc_T"] == pytest.approx(b["acc_T"], abs=1e-9) and a["lr"] == pytest.approx(b["lr"], rel=1e-9)
     assert (train_dir / "final" / "draft.safetensors").is_file()
+
+
+def test_held_out_split_keeps_conversation_pieces_and_identical_prompts_together(smol_prep):
+    import hashlib
+
+    from eyas.assets import iter_json_array, sharegpt_path
+    from eyas.prepared import Prepared
+    from eyas.train.data import split_groups, split_indices
+
+    p = Prepared(smol_prep)
+    keys = p.prompt_keys()
+    for i in range(len(p)):
+        s = p[i]
+        first = int(s["loss_mask"].nonzero()[0])
+        prompt = s["input_ids"][:first].to(p._ids.dtype).numpy().tobytes()
+        assert keys[i] == hashlib.blake2b(prompt, digest_size=16).digest()
+    g = split_groups(["a_0", "a_1", "b_0", "c"], [b"p", b"q", b"r", b"p"])  # c asks what a_0 asks
+    assert g[0] == g[1] == g[3] != g[2]
+    for seed in range(10):  # {a_0, a_1, c} would triple the one held-out sample asked for: it stays in training
+        assert split_indices(4, 0.25, seed, g) == ([0, 1, 3], [2])
+    big = [0] * 60 + list(range(1, 41))  # one source whose ids all share a stem, and 40 other samples
+    for seed in range(10):
+        tr, ev = split_indices(100, 0.1, seed, big)
+        assert 10 <= len(ev) <= 15 and not set(ev) & set(range(60)) and sorted(tr + ev) == list(range(100))
+    tr, ev = split_indices(3, 0.34, 0, [7, 7, 7])  # one group holds everything: per sample, said so
+    assert len(tr) == 2 and len(ev) == 1
+    # real ShareGPT ids: its long conversations are stored as pieces X_0, X_1, ...
+    ids, prompts = [], []
+    for i, rec in iter_json_array(sharegpt_path()):
+        if i >= 2000:
+            break
+        ids.append(rec["id"])
+        prompts.append(next((t["value"] for t in rec["conversations"] if t["from"] == "human"), "").encode())
+    g = split_groups(ids, prompts)
+    stems = [x.rsplit("_", 1)[0] for x in ids]
+    leaks = []
+    for groups in (None, g):
+        tr, ev = split_indices(len(ids), 0.05, 0, groups)
+        assert len(ev) >= 100 and len(tr) + len(ev) == len(ids)
+        seen = {stems[i] for i in tr} | {prompts[i] for i in tr}
+        leaks.append(sum(stems[i] in seen or prompts[i] in seen for i in ev))
+    assert leaks[0] > 20 and leaks[1] == 0, leaks  # per-sample split leaks; grouped does not

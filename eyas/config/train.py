@@ -90,7 +90,9 @@ class TrainConfig:
     auto / balanced / sequential to spread it over the visible GPUs with accelerate's device_map
     (empty = the draft's device)."""
     eval_fraction: float = 0.02
-    """Fraction of samples held out for evaluation (at least one sample when > 0)."""
+    """Fraction of samples held out for evaluation (at least one sample when > 0). The split keeps
+    together samples whose ids share a stem (ShareGPT's `X_0`, `X_1`: one conversation) or whose
+    prompts are identical, so held-out numbers are not inflated by near-copies seen in training."""
     eval_every: int = 0
     """Evaluate the held-out split every this many optimizer steps (0 = only at the end)."""
     eval_max_batches: int = 0

@@ -17,7 +17,7 @@ from eyas.artifacts import hash_json
 from eyas.config import EyasConfig
 from eyas.draft import DraftConfig, Eagle3Draft, init_flex_attention
 from eyas.errors import ArtifactError, ConfigError
-from eyas.train.data import OnlineStates, split_indices
+from eyas.train.data import OnlineStates, split_groups, split_indices
 from eyas.train.loop import Teacher, Trainer, lr_lambda
 from eyas.train.parallel import parallelize
 from eyas.train.ttt import TTTDraft
@@ -38,6 +38,7 @@ class TrainData:
     target_config: Any  # the target's HF (text) config
     states: OnlineStates | None = None
     inputs: dict[str, Any] = field(default_factory=dict)
+    groups: list[int] | None = None  # held-out split groups per source sample (split_groups); None: per sample
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -70,7 +71,8 @@ def load_data(cfg: EyasConfig, device: torch.device) -> TrainData:
             )
         inputs["extract"] = {"dir": str(hs.dir), "meta_sha256": hash_json(hs.meta)}
         embed, head = load_embed_and_head(cfg.target)
-        return TrainData(hs, prep.d2t, prep.t2d, list(hs.layer_ids), embed.to(dtype), head.to(dtype), tcfg, None, inputs)
+        return TrainData(hs, prep.d2t, prep.t2d, list(hs.layer_ids), embed.to(dtype), head.to(dtype), tcfg, None, inputs,
+                         split_groups_of(prep, hs.indices, hs.ids))
     from eyas.capture import check_layer_ids, default_layer_ids, num_layers
     from eyas.target import load_model
 
@@ -85,7 +87,21 @@ def load_data(cfg: EyasConfig, device: torch.device) -> TrainData:
     out = model.get_output_embeddings()
     head = out.weight.detach() if out is not None else embed
     return TrainData(prep, prep.d2t, prep.t2d, layer_ids, embed, head, tcfg,
-                     OnlineStates(model, layer_ids, target_device), inputs)
+                     OnlineStates(model, layer_ids, target_device), inputs, split_groups_of(prep))
+
+
+def split_groups_of(prep, source_indices: list[int] | None = None, source_ids: list[str] | None = None) -> list[int]:
+    """`split_groups` of the source samples: all of prepare's (online), or those an extract output
+    holds (`source_indices` into prepare's samples, with their ids to check they are the same)."""
+    keys = prep.prompt_keys()
+    if source_indices is None:
+        return split_groups(prep.ids, keys)
+    bad = [k for k, (i, x) in enumerate(zip(source_indices, source_ids)) if i >= len(prep.ids) or prep.ids[i] != x]
+    if bad:
+        k = bad[0]
+        raise ArtifactError(f"the extract output's sample {k} ({source_ids[k]!r}, prepare index {source_indices[k]}) is not "
+                            f"that sample of {prep.dir} ({len(bad)} such): re-run `eyas extract` on this prepare output")
+    return split_groups(list(source_ids), [keys[i] for i in source_indices])
 
 
 def draft_config(cfg: EyasConfig, data: TrainData) -> DraftConfig:
@@ -197,7 +213,7 @@ def build_trainer(
 
 
 def splits(cfg: EyasConfig, data: TrainData) -> tuple[list[int], list[int]]:
-    return split_indices(len(data.source), cfg.train.eval_fraction, cfg.seed)
+    return split_indices(len(data.source), cfg.train.eval_fraction, cfg.seed, data.groups)
 
 
 def stage_dirs(cfg: EyasConfig) -> tuple[Path, Path]:

@@ -18,6 +18,7 @@ step replays the same batches.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -68,13 +69,68 @@ class Batch:
         return Batch(**{f.name: pin(getattr(self, f.name)) for f in fields(self)})
 
 
-def split_indices(num_samples: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """-> (train, eval) sample indices; eval is a seeded random subset (>= 1 when fraction > 0)."""
-    perm = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
+def split_indices(num_samples: int, eval_fraction: float, seed: int,
+                  groups: list[int] | None = None) -> tuple[list[int], list[int]]:
+    """-> (train, eval) sample indices; eval is a seeded random subset (>= 1 when fraction > 0).
+
+    With `groups` (a label per sample, `split_groups`) eval takes whole groups, in a seeded random
+    order, until it holds n = round(num_samples * eval_fraction) samples or more; a group that would
+    take eval past n + n // 2 stays in training (a group as large as a whole source must not move
+    it to eval). When no group fits, the split is per sample (said on stdout)."""
     n_eval = 0 if eval_fraction <= 0 else max(1, int(round(num_samples * eval_fraction)))
     if num_samples - n_eval < 1:
         n_eval = num_samples - 1
+    gen = torch.Generator().manual_seed(seed)
+    if groups is not None and n_eval > 0:
+        if len(groups) != num_samples:
+            raise ValueError(f"{len(groups)} group labels for {num_samples} samples")
+        members: dict[int, list[int]] = {}
+        for i, g in enumerate(groups):
+            members.setdefault(g, []).append(i)
+        labels = list(members)
+        cap = min(n_eval + n_eval // 2, num_samples - 1)
+        chosen: list[int] = []
+        for k in torch.randperm(len(labels), generator=gen).tolist():
+            if len(chosen) >= n_eval:
+                break
+            if len(chosen) + len(members[labels[k]]) <= cap:
+                chosen += members[labels[k]]
+        largest = max(len(m) for m in members.values())
+        if largest > max(1, num_samples // 20):
+            print(f"[eyas:train] held-out split: one group of samples (ids sharing a stem or identical prompts) holds "
+                  f"{largest} of {num_samples}; a group too large for the held-out split stays in training", flush=True)
+        if chosen:
+            held = set(chosen)
+            return [i for i in range(num_samples) if i not in held], sorted(chosen)
+        print(f"[eyas:train] held-out split: no group of samples fits {cap} held-out samples; splitting per sample",
+              flush=True)
+    perm = torch.randperm(num_samples, generator=gen).tolist()
     return sorted(perm[n_eval:]), sorted(perm[:n_eval])
+
+
+STEM = re.compile(r"_\d+$")
+
+
+def split_groups(ids: list[str], prompts: list) -> list[int]:
+    """A group label per sample for the held-out split: samples whose ids share a stem (ShareGPT
+    stores one long conversation as `X_0`, `X_1`, ...: the id without a trailing `_<digits>`) or
+    whose prompts are identical (the tokens before the first trained token; greedy regeneration
+    answers an identical prompt identically) get the same label (connected components)."""
+    parent = list(range(len(ids)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for keys in ([STEM.sub("", x) for x in ids], prompts):
+        first: dict = {}
+        for i, k in enumerate(keys):
+            j = first.setdefault(k, i)
+            if j != i:
+                parent[find(i)] = find(j)
+    return [find(i) for i in range(len(ids))]
 
 
 def pack_plan(order: list[int], lengths, max_tokens: int) -> list[list[int]]:
