@@ -51,9 +51,9 @@ class Prepared:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         return {"input_ids": self._ids[a:b].long(), "loss_mask": self._mask[a:b].long(), "id": self.ids[i], "index": i}
 
-    def prompt_keys(self) -> list[bytes]:
+    def prompt_keys(self) -> list[bytes | None]:
         """Per sample, a 16-byte hash of its tokens before its first loss token (all of them if it
-        has none): equal keys = identical prompts."""
+        has none; None when it is trained from its first token): equal keys = identical prompts."""
         n = len(self)
         starts, ends = self.offsets[:-1], self.offsets[1:]
         trained = self._mask.nonzero().flatten()
@@ -62,7 +62,7 @@ class Prepared:
             if trained.numel() else ends.clone()
         end = torch.where((first >= starts) & (first < ends), first, ends).tolist()
         ids = self._ids.numpy()
-        return [hashlib.blake2b(ids[a:b].tobytes(), digest_size=16).digest()
+        return [hashlib.blake2b(ids[a:b].tobytes(), digest_size=16).digest() if b > a else None
                 for a, b in zip(starts.tolist()[:n], end)]
 
     def __repr__(self) -> str:

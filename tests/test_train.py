@@ -353,6 +353,7 @@ def test_held_out_split_keeps_conversation_pieces_and_identical_prompts_together
         assert keys[i] == hashlib.blake2b(prompt, digest_size=16).digest()
     g = split_groups(["a_0", "a_1", "b_0", "c"], [b"p", b"q", b"r", b"p"])  # c asks what a_0 asks
     assert g[0] == g[1] == g[3] != g[2]
+    assert len(set(split_groups(["x", "y", "z"], [None, None, None]))) == 3  # no prompt: not "the same prompt"
     for seed in range(10):  # {a_0, a_1, c} would triple the one held-out sample asked for: it stays in training
         assert split_indices(4, 0.25, seed, g) == ([0, 1, 3], [2])
     big = [0] * 60 + list(range(1, 41))  # one source whose ids all share a stem, and 40 other samples

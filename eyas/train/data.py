@@ -115,7 +115,8 @@ def split_groups(ids: list[str], prompts: list) -> list[int]:
     """A group label per sample for the held-out split: samples whose ids share a stem (ShareGPT
     stores one long conversation as `X_0`, `X_1`, ...: the id without a trailing `_<digits>`) or
     whose prompts are identical (the tokens before the first trained token; greedy regeneration
-    answers an identical prompt identically) get the same label (connected components)."""
+    answers an identical prompt identically; None = no prompt) get the same label (connected
+    components)."""
     parent = list(range(len(ids)))
 
     def find(i: int) -> int:
@@ -127,6 +128,8 @@ def split_groups(ids: list[str], prompts: list) -> list[int]:
     for keys in ([STEM.sub("", x) for x in ids], prompts):
         first: dict = {}
         for i, k in enumerate(keys):
+            if k is None:  # no prompt (trained from its first token): nothing to be identical to
+                continue
             j = first.setdefault(k, i)
             if j != i:
                 parent[find(i)] = find(j)
