@@ -69,7 +69,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
         if data is None:
             data = build.load_data(cfg, device)
         build.verify_shards(data.source, rank, world_size, device)
-        train_idx, eval_idx = build.splits(cfg, data)
+        train_idx, eval_idx = build.splits(cfg, data, rank)
         sched = Schedule(tc, train_idx, data.lengths, cfg.seed, rank, world_size)
         tr, dcfg = build.build_trainer(cfg, data, device, rank, world_size, sched.total)
         pad = tc.pad_multiple or (build.flex_row_length(tc.max_tokens) if tr.attention == "flex" else 0)

@@ -212,8 +212,8 @@ def build_trainer(
     return tr, dcfg
 
 
-def splits(cfg: EyasConfig, data: TrainData) -> tuple[list[int], list[int]]:
-    return split_indices(len(data.source), cfg.train.eval_fraction, cfg.seed, data.groups)
+def splits(cfg: EyasConfig, data: TrainData, rank: int = 0) -> tuple[list[int], list[int]]:
+    return split_indices(len(data.source), cfg.train.eval_fraction, cfg.seed, data.groups, say=rank == 0)
 
 
 def stage_dirs(cfg: EyasConfig) -> tuple[Path, Path]:

@@ -70,13 +70,13 @@ class Batch:
 
 
 def split_indices(num_samples: int, eval_fraction: float, seed: int,
-                  groups: list[int] | None = None) -> tuple[list[int], list[int]]:
+                  groups: list[int] | None = None, say: bool = True) -> tuple[list[int], list[int]]:
     """-> (train, eval) sample indices; eval is a seeded random subset (>= 1 when fraction > 0).
 
     With `groups` (a label per sample, `split_groups`) eval takes whole groups, in a seeded random
     order, until it holds n = round(num_samples * eval_fraction) samples or more; a group that would
     take eval past n + n // 2 stays in training (a group as large as a whole source must not move
-    it to eval). When no group fits, the split is per sample (said on stdout)."""
+    it to eval). When no group fits, the split is per sample (said on stdout when `say`)."""
     n_eval = 0 if eval_fraction <= 0 else max(1, int(round(num_samples * eval_fraction)))
     if num_samples - n_eval < 1:
         n_eval = num_samples - 1
@@ -96,14 +96,15 @@ def split_indices(num_samples: int, eval_fraction: float, seed: int,
             if len(chosen) + len(members[labels[k]]) <= cap:
                 chosen += members[labels[k]]
         largest = max(len(m) for m in members.values())
-        if largest > max(1, num_samples // 20):
+        if say and largest > max(cap, num_samples // 20):
             print(f"[eyas:train] held-out split: one group of samples (ids sharing a stem or identical prompts) holds "
                   f"{largest} of {num_samples}; a group too large for the held-out split stays in training", flush=True)
         if chosen:
             held = set(chosen)
             return [i for i in range(num_samples) if i not in held], sorted(chosen)
-        print(f"[eyas:train] held-out split: no group of samples fits {cap} held-out samples; splitting per sample",
-              flush=True)
+        if say:
+            print(f"[eyas:train] held-out split: no group of samples fits {cap} held-out samples; splitting per sample",
+                  flush=True)
     perm = torch.randperm(num_samples, generator=gen).tolist()
     return sorted(perm[n_eval:]), sorted(perm[:n_eval])
 
