@@ -30,7 +30,7 @@ from eyas.export import load_exported  # noqa: E402
 from eyas.prepared import Prepared  # noqa: E402
 from eyas.spec.simulate import teacher_forced_steps  # noqa: E402
 from eyas.target import load_model  # noqa: E402
-from eyas.train.data import STEM, split_indices  # noqa: E402
+from eyas.train.data import split_groups, split_indices  # noqa: E402
 
 
 def main() -> None:
@@ -46,9 +46,10 @@ def main() -> None:
         rows = [json.loads(line) for line in f if line.strip()]
     train, held = split_indices(len(rows), 0.02, 0)
     first = [next((m["content"] for m in r["messages"] if m["role"] == "user"), "").strip() for r in rows]
-    seen = {STEM.sub("", rows[i]["id"]) for i in train} | {first[i] for i in train}
-    leaked = [i for i in held if STEM.sub("", rows[i]["id"]) in seen or first[i] in seen]
-    clean = [i for i in held if i not in set(leaked)]
+    groups = split_groups([r["id"] for r in rows], first)  # what the grouped split keeps together
+    in_train = {groups[i] for i in train}
+    leaked = [i for i in held if groups[i] in in_train]
+    clean = [i for i in held if groups[i] not in in_train]
     print(f"held out {len(held)}: {len(leaked)} with a sibling or the same prompt in training, {len(clean)} without")
     sets = {"leaked": leaked[: a.per_set], "clean": clean[: a.per_set]}
     tmp = Path(tempfile.mkdtemp(prefix="eyas-leak-"))

@@ -54,7 +54,6 @@ class Prepared:
     def prompt_keys(self) -> list[bytes | None]:
         """Per sample, a 16-byte hash of its tokens before its first loss token (all of them if it
         has none; None when it is trained from its first token): equal keys = identical prompts."""
-        n = len(self)
         starts, ends = self.offsets[:-1], self.offsets[1:]
         trained = self._mask.nonzero().flatten()
         # the first loss token at or after each sample's start, if it lies inside the sample
@@ -63,7 +62,7 @@ class Prepared:
         end = torch.where((first >= starts) & (first < ends), first, ends).tolist()
         ids = self._ids.numpy()
         return [hashlib.blake2b(ids[a:b].tobytes(), digest_size=16).digest() if b > a else None
-                for a, b in zip(starts.tolist()[:n], end)]
+                for a, b in zip(starts.tolist(), end)]
 
     def __repr__(self) -> str:
         return f"Prepared({str(self.dir)!r}, samples={len(self)}, draft_vocab={self.d2t.numel()})"

@@ -7,7 +7,6 @@ steps, N teacher rows, M selected rows.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import time
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eyas.artifacts import hash_json
 from eyas.config import TrainConfig
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError, record_error
@@ -201,6 +201,7 @@ class Schedule:
             )
         full = sum(self.steps_per_epoch)
         self.total = min(tc.max_steps, full) if tc.max_steps else full
+        self.split_digest = hash_json(indices)[:16]  # in checkpoints: a resume on another split is flagged
 
     def plans(self, epoch: int, rank: int | None = None) -> list[list[int]]:
         r = self.rank if rank is None else rank
@@ -277,7 +278,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             print(f"[eyas:train] warning: {resume} was written by a run of {state['total_steps']} steps on "
                   f"{state['world_size']} ranks, this one has {sched.total} steps on {tr.world_size}: the data order "
                   "and learning-rate schedule differ from the original run's", flush=True)
-        if tr.rank == 0 and state.get("train_split", split_digest(sched.indices)) != split_digest(sched.indices):
+        if tr.rank == 0 and state.get("train_split", sched.split_digest) != sched.split_digest:
             print(f"[eyas:train] warning: {resume} was trained on another split of the samples (another eyas version "
                   "split them): held-out samples of this run may have been trained on", flush=True)
     log = MetricsLog(out / "metrics.jsonl", tr.rank, tc.tensorboard, start)
@@ -343,15 +344,10 @@ def out_of_time(tr: Trainer, t_start: float, budget_s: float) -> bool:
     return bool(flag.item())
 
 
-def split_digest(indices: list[int]) -> str:
-    """A short hash of the training split's sample indices (recorded in checkpoints)."""
-    return hashlib.sha256(",".join(map(str, indices)).encode()).hexdigest()[:16]
-
-
 def save(tr: Trainer, ckpt_root: Path, step: int, sched: Schedule, draft_cfg: DraftConfig) -> None:
     epoch, window = sched.position(step)
     trainer = {"epoch": epoch, "window": window, "world_size": tr.world_size, "total_steps": sched.total,
-               "train_split": split_digest(sched.indices)}
+               "train_split": sched.split_digest}
     checkpoint.save(ckpt_root, step, tr.model, tr.optimizer, tr.scheduler, draft_cfg, trainer, tr.rank,
                     tr.tc.keep_checkpoints)
 
