@@ -273,6 +273,31 @@ def test_non_finite_loss_stops_with_step_samples_and_term(tmp_path, smol_prep, t
     assert rec["type"].endswith("TrainingDiverged") and "Traceback" in rec["traceback"]
 
 
+def test_online_target_failure_names_its_samples(tmp_path, smol_prep, tiny_target):
+    """A target forward that raises (here with an empty message) on the second window stops the run
+    with that window's sample ids, the repr and the traceback, in errors.jsonl and the exception."""
+    from eyas.capture import find_decoder_layers
+    from eyas.errors import EyasError
+    from extract_helpers import Poison
+
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=4")
+    data = build.load_data(cfg, torch.device("cpu"))
+    calls = []
+    states = data.states
+
+    def recording(batch):
+        calls.append(batch.sample_ids)
+        return states(batch)
+
+    data.states = recording
+    find_decoder_layers(states.model)[0].register_forward_pre_hook(Poison(RuntimeError(), after=1), with_kwargs=True)
+    with pytest.raises(EyasError, match=r"online target forward failed on samples .*RuntimeError\(\)") as err:
+        run(cfg, data)
+    assert len(calls) == 2 and str(calls[1]) in str(err.value) and str(calls[0]) not in str(err.value)
+    rec = json.loads((cfg.stage_dir("train") / "errors.jsonl").read_text().splitlines()[-1])
+    assert rec["stage"] == "train" and str(calls[1]) in rec["message"] and "extract_helpers.py" in rec["traceback"]
+
+
 def test_an_existing_run_needs_resume(tmp_path, smol_prep, tiny_target):
     cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=2")
     run(cfg)

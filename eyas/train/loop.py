@@ -20,7 +20,7 @@ from torch import nn
 from eyas.artifacts import hash_json
 from eyas.config import TrainConfig
 from eyas.draft import DraftConfig, Eagle3Draft
-from eyas.errors import EyasError, record_error
+from eyas.errors import EyasError, exception_message, record_error
 from eyas.train import checkpoint
 from eyas.train.data import Batch, batch_loader, epoch_batches
 from eyas.train.loss import acceptance_length, step_terms, step_weights, teacher_targets, weighted_loss
@@ -71,8 +71,13 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def prepare(self, batch: Batch) -> Batch:
-        if self.states is not None:  # online: the target fills aux/final from the host-side ids
-            batch = self.states(batch)
+        """The batch on the draft's device with its states (idempotent: a prepared batch is returned as is)."""
+        if self.states is not None and batch.aux_BSKD is None:  # online: the target fills aux/final
+            try:
+                batch = self.states(batch)
+            except Exception as e:  # re-raised naming the samples; the cause keeps its traceback
+                detail = f"{type(e).__name__}: {e}" if str(e).strip() else exception_message(e)
+                raise EyasError(f"online target forward failed on samples {batch.sample_ids}: {detail}") from e
         return batch.to(self.device, non_blocking=True)
 
     def forward(self, batch: Batch) -> list[torch.Tensor]:
@@ -86,10 +91,12 @@ def num_valid(top1_N: torch.Tensor, tix_T: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([(top1_N[tix] >= 0).sum() for tix in tix_T])
 
 
-def train_step(tr: Trainer, batches: list[Batch], step: int) -> dict[str, torch.Tensor]:
+def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -> dict[str, torch.Tensor]:
     """One optimizer step over this rank's micro-batches of the accumulation window.
 
-    -> local sums: loss_sum_T, correct_T, valid_T (device), mask_T (host), grad_norm (device), tokens (int).
+    `before_sync()` runs once every backward is queued and before the step's host sync (`Lookahead`
+    prepares the next window there). -> local sums: loss_sum_T, correct_T, valid_T (device), mask_T
+    (host), grad_norm (device), tokens (int).
     """
     batches = [tr.prepare(b) for b in batches]
     # The loss is normalised by the number of valid positions of the whole window on all ranks,
@@ -114,6 +121,8 @@ def train_step(tr: Trainer, batches: list[Batch], step: int) -> dict[str, torch.
             loss.backward()
         loss_sum_T += ls_T.detach()
         correct_T += cor_T
+    if before_sync is not None:
+        before_sync()
     grad_norm = clip_grad_norm(tr.model, tr.tc.grad_clip)
     # .item(): one deliberate host sync per optimizer step, so a non-finite update is never applied
     if not bool((torch.isfinite(loss_sum_T).all() & torch.isfinite(grad_norm)).item()):
@@ -230,6 +239,39 @@ def micro_batches(tr: Trainer, sched: Schedule, source, start_step: int, pad_mul
             step += 1
 
 
+class Lookahead:
+    """Iterates micro_batches' windows, each already prepared (`Trainer.prepare`). The next window is
+    prepared by `launch_next`, which the loop hands to train_step as `before_sync`: online, the
+    target's forward for the next window is then launched while the GPU still runs this step's draft
+    kernels, instead of after the step's host sync with the GPU idle (offline: its host->device
+    copies and any wait on the loader overlap the same way). Holds two windows' states at a time."""
+
+    _END = object()
+
+    def __init__(self, tr: Trainer, windows):
+        self.tr, self.windows, self.ready = tr, iter(windows), None
+
+    def __iter__(self) -> "Lookahead":
+        return self
+
+    def __next__(self) -> tuple[int, int, list[Batch]]:
+        self.launch_next()
+        ready, self.ready = self.ready, None
+        if ready is self._END:
+            raise StopIteration
+        return ready
+
+    def launch_next(self) -> None:
+        if self.ready is not None:
+            return
+        try:
+            step, epoch, batches = next(self.windows)
+        except StopIteration:
+            self.ready = self._END
+            return
+        self.ready = (step, epoch, [self.tr.prepare(b) for b in batches])
+
+
 class MetricsLog:
     """metrics.jsonl (rank 0), optionally mirrored to TensorBoard."""
 
@@ -292,8 +334,9 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     step, epoch = start, sched.position(start)[0]
     end, t_fit = sched.total, time.perf_counter()
     tr.model.train()
-    for step, epoch, batches in micro_batches(tr, sched, source, start, pad_multiple, num_workers):
-        out_s = train_step(tr, batches, step)
+    windows = Lookahead(tr, micro_batches(tr, sched, source, start, pad_multiple, num_workers))
+    for step, epoch, batches in windows:
+        out_s = train_step(tr, batches, step, before_sync=windows.launch_next)
         for k in acc:
             acc[k] += out_s[k]
         tokens += out_s["tokens"]
