@@ -5,8 +5,10 @@ train stage's held-out answers against the target's own greedy MT-bench answers 
         --bench question.jsonl [--held-out 40] [--questions 24] [--new 256]
 
 CONVERSATIONS are the files the draft was trained on, concatenated in that order (what `prepare`
-read); prepare runs on them with the recipe's settings and the train stage's grouped held-out
-split (eval_fraction 0.02, seed 0) is rebuilt from its output. For each held-out sample the first
+read); prepare runs on them with recipes/smollm2-sharegpt.yaml's settings (openai format,
+max_length 2048, draft vocabulary 32000) and the train stage's grouped held-out split is rebuilt
+from its output with the defaults (eval_fraction 0.02, seed 0) over all of prepare's samples, as
+an online run splits them (an offline run splits the samples its extract output holds). For each held-out sample the first
 assistant answer is scored; for each MT-bench question (first turn) the target answers greedily
 (`--new` tokens), and that answer is scored. "Repeat" marks a label whose preceding 8 tokens
 already occurred earlier in the same answer (a loop). Prints acc of TTT step 0 (and tau_hat over
@@ -55,7 +57,7 @@ class Tally:
         for x in acc:
             run *= x
             tau += run
-        return f"{name:>16}: {int(v[0]):>7} labels  acc0 {acc[0]:.3f}  acc6 {acc[-1]:.3f}  tau_hat {tau:.2f}"
+        return f"{name:>16}: {int(v[0]):>7} labels  acc0 {acc[0]:.3f}  acc{self.steps - 1} {acc[-1]:.3f}  tau_hat {tau:.2f}"
 
 
 def score(tally: Tally, draft, target, ids_S: torch.Tensor, start: int, end: int, steps: int) -> None:

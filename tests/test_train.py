@@ -393,7 +393,7 @@ def test_torchrun_ddp_and_fsdp_match_one_process_accumulating_the_same_window(tm
         theirs = load_file(runs[kind] / "final" / "draft.safetensors")
         assert theirs.keys() == weights.keys()
         for name, w in weights.items():
-            torch.testing.assert_close(theirs[name], w, rtol=1e-4, atol=1e-6, msg=f"{kind}: {name}")
+            torch.testing.assert_close(theirs[name], w, rtol=1e-4, atol=1e-5, msg=f"{kind}: {name}")
 
 
 def test_held_out_split_keeps_conversation_pieces_and_identical_prompts_together(smol_prep):

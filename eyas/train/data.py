@@ -275,8 +275,11 @@ class OnlineStates:
         for j, L in enumerate(batch.lengths):
             ids_nL[j, :L] = ids_S[starts[j] : starts[j] + L]
             attn_nL[j, :L] = 1
+        if self.device.type == "cuda":  # pinned + non_blocking: the copy does not wait for the stream
+            ids_nL, attn_nL = ids_nL.pin_memory(), attn_nL.pin_memory()
         aux_nLKD, final_nLD = capture(
-            self.model, ids_nL.to(self.device), attn_nL.to(self.device), layer_ids=self.layer_ids
+            self.model, ids_nL.to(self.device, non_blocking=True), attn_nL.to(self.device, non_blocking=True),
+            layer_ids=self.layer_ids,
         )
         aux_BSKD = aux_nLKD.new_zeros(1, s, *aux_nLKD.shape[2:])
         final_BSD = final_nLD.new_zeros(1, s, final_nLD.shape[-1])

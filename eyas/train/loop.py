@@ -121,6 +121,7 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
             loss.backward()
         loss_sum_T += ls_T.detach()
         correct_T += cor_T
+    del first, p_NW, top1_N, logits_T, ls_T, loss  # the W-wide tensors, freed before the next window's states
     if before_sync is not None:
         before_sync()
     grad_norm = clip_grad_norm(tr.model, tr.tc.grad_clip)
@@ -242,14 +243,16 @@ def micro_batches(tr: Trainer, sched: Schedule, source, start_step: int, pad_mul
 class Lookahead:
     """Iterates micro_batches' windows, each already prepared (`Trainer.prepare`). The next window is
     prepared by `launch_next`, which the loop hands to train_step as `before_sync`: online, the
-    target's forward for the next window is then launched while the GPU still runs this step's draft
-    kernels, instead of after the step's host sync with the GPU idle (offline: its host->device
-    copies and any wait on the loader overlap the same way). Holds two windows' states at a time."""
+    target's forward for the next window is launched before this step's host sync rather than after
+    it, so its Python and launch overhead can overlap the GPU's work on this step (offline: the wait
+    on the loader and the host->device copies). Any sync inside the target's forward (HF's mask
+    checks) still waits for this step; the gain is not measured on a GPU yet. Holds two windows'
+    states at a time; `close` drops the one prepared past the loop's end."""
 
     _END = object()
 
     def __init__(self, tr: Trainer, windows):
-        self.tr, self.windows, self.ready = tr, iter(windows), None
+        self.tr, self.windows, self.ready = tr, windows, None
 
     def __iter__(self) -> "Lookahead":
         return self
@@ -270,6 +273,10 @@ class Lookahead:
             self.ready = self._END
             return
         self.ready = (step, epoch, [self.tr.prepare(b) for b in batches])
+
+    def close(self) -> None:
+        self.ready = self._END
+        self.windows.close()
 
 
 class MetricsLog:
@@ -370,6 +377,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
         if tc.save_every and done % tc.save_every == 0 and done < sched.total:
             save(tr, ckpt_root, done, sched, draft_cfg)
         paused += time.perf_counter() - t_side
+    windows.close()  # a window prepared for a step past the time budget is dropped before evaluation
     if eval_loader_fn is not None:
         last_eval = dict(step=end, epoch=epoch, split="eval", **evaluate(tr, eval_loader_fn(), tc.eval_max_batches))
         log.write(last_eval)
