@@ -205,6 +205,28 @@ def test_offline_equals_online_for_one_step(tmp_path, smol_prep, tiny_target):
     torch.testing.assert_close(params_on, params_off, rtol=1e-5, atol=1e-6)
 
 
+def test_online_states_of_right_padded_rows_equal_plain_forwards(smol_prep, tiny_target):
+    """OnlineStates runs samples of different lengths as right-padded rows without an attention
+    mask; each sample's states must equal a plain output_hidden_states forward of it alone."""
+    from transformers import AutoModelForCausalLM
+
+    from eyas.prepared import Prepared
+    from eyas.train.data import OnlineStates, pack
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
+    prep = Prepared(smol_prep)
+    ref = InMemoryStates(prep, model, [1, 2, 3], max_samples=4)
+    samples = [prep[i] for i in range(4)]
+    assert len({int(x["input_ids"].numel()) for x in samples}) > 1  # rows of different lengths: padding
+    batch = OnlineStates(model, [1, 2, 3], "cpu")(pack(samples, 3, max_tokens=4096))
+    start = 0
+    for smp in ref.samples:
+        n = smp["input_ids"].numel()
+        torch.testing.assert_close(batch.aux_BSKD[0, start : start + n], smp["aux"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(batch.final_BSD[0, start : start + n], smp["final"], rtol=1e-5, atol=1e-5)
+        start += n
+
+
 def test_accumulated_window_equals_one_packed_row(tmp_path, smol_prep, tiny_target):
     """Two micro-batches accumulated (teacher recomputed per micro-batch) give the loss sums,
     gradient norm and updated weights of the same samples packed into one row: attention, TTT

@@ -254,7 +254,9 @@ def batch_loader(source, plans: list[list[int]], num_steps: int, max_tokens: int
 
 class OnlineStates:
     """Online mode: the target (possibly on its own device) fills a batch's aux/final states with
-    the same capture code as the extract stage, one right-padded row per sample. Called on the
+    the same capture code as the extract stage, one right-padded row per sample and, as there, no
+    attention mask: attention is causal, so a real token never sees the padding after it, and SDPA
+    keeps its fused causal path (no padded mask built or checked on the host). Called on the
     host-side batch; the states stay on the target's device until `Batch.to` moves them."""
 
     def __init__(self, model, layer_ids: list[int], device):
@@ -268,19 +270,14 @@ class OnlineStates:
         n, s = len(batch.lengths), batch.input_ids_BS.shape[1]
         width = max(batch.lengths)
         ids_nL = torch.zeros(n, width, dtype=torch.long)
-        attn_nL = torch.zeros(n, width, dtype=torch.long)
         starts = [0]
         for L in batch.lengths:
             starts.append(starts[-1] + L)
         for j, L in enumerate(batch.lengths):
             ids_nL[j, :L] = ids_S[starts[j] : starts[j] + L]
-            attn_nL[j, :L] = 1
         if self.device.type == "cuda":  # pinned + non_blocking: the copy does not wait for the stream
-            ids_nL, attn_nL = ids_nL.pin_memory(), attn_nL.pin_memory()
-        aux_nLKD, final_nLD = capture(
-            self.model, ids_nL.to(self.device, non_blocking=True), attn_nL.to(self.device, non_blocking=True),
-            layer_ids=self.layer_ids,
-        )
+            ids_nL = ids_nL.pin_memory()
+        aux_nLKD, final_nLD = capture(self.model, ids_nL.to(self.device, non_blocking=True), layer_ids=self.layer_ids)
         aux_BSKD = aux_nLKD.new_zeros(1, s, *aux_nLKD.shape[2:])
         final_BSD = final_nLD.new_zeros(1, s, final_nLD.shape[-1])
         for j, L in enumerate(batch.lengths):
