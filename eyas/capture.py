@@ -212,6 +212,14 @@ class HiddenStateCapture:
         return torch.stack([self._aux[k].to(final_BSD.device) for k in self.layer_ids] + [final_BSD], dim=2)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (token ids, positions) onto the target's device; on CUDA through pinned memory
+    with non_blocking, so the copy is queued instead of waiting for the GPU's stream."""
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 @torch.no_grad()
 def capture(
     model: nn.Module,

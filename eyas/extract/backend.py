@@ -37,7 +37,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from eyas.capture import HiddenStateCapture, base_model, text_config
+from eyas.capture import HiddenStateCapture, base_model, text_config, to_device
 from eyas.errors import EyasError, describe_exception, exception_message
 from eyas.extract.plan import Batch
 from eyas.extract.profile import NULL_TIMER, NullTimer
@@ -95,9 +95,7 @@ class HFBackend:
         self._compiled = {}
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            t = t.pin_memory()  # lets the host->device copy run asynchronously
-        return t.to(self.device, non_blocking=True)
+        return to_device(t, self.device)
 
     @torch.no_grad()
     def forward(self, batch: Batch, tokens: list[torch.Tensor], timer: NullTimer = NULL_TIMER) -> torch.Tensor:

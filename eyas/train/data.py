@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from eyas.capture import HiddenStateCapture, base_model, to_device
 from eyas.train.ttt import shift_left
 
 
@@ -260,12 +261,8 @@ class OnlineStates:
     host-side batch; the states stay on the target's device until `Batch.to` moves them."""
 
     def __init__(self, model, layer_ids: list[int], device):
-        from eyas.capture import HiddenStateCapture, base_model
-
         self.model, self.layer_ids, self.device = model, list(layer_ids), torch.device(device)
-        # the layers and final norm located once, as the extract backend does (~0.3 ms per lookup
-        # on a 61-layer DeepSeek-V3 skeleton with fused experts, so this is tidiness, not speed)
-        self.capture, self.base = HiddenStateCapture(model, self.layer_ids), base_model(model)
+        self.capture, self.base = HiddenStateCapture(model, self.layer_ids), base_model(model)  # as extract's backend
 
     @torch.no_grad()
     def __call__(self, batch: Batch) -> Batch:
@@ -278,10 +275,8 @@ class OnlineStates:
             starts.append(starts[-1] + L)
         for j, L in enumerate(batch.lengths):
             ids_nL[j, :L] = ids_S[starts[j] : starts[j] + L]
-        if self.device.type == "cuda":  # pinned + non_blocking: the copy does not wait for the stream
-            ids_nL = ids_nL.pin_memory()
         with self.capture as cap:
-            self.base(input_ids=ids_nL.to(self.device, non_blocking=True), use_cache=False)
+            self.base(input_ids=to_device(ids_nL, self.device), use_cache=False)
             aux_nLKD, final_nLD = cap.result()
         aux_BSKD = aux_nLKD.new_zeros(1, s, *aux_nLKD.shape[2:])
         final_BSD = final_nLD.new_zeros(1, s, final_nLD.shape[-1])

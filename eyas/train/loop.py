@@ -245,9 +245,9 @@ class Lookahead:
     prepared by `launch_next`, which the loop hands to train_step as `before_sync`: online, the
     target's forward for the next window is launched before this step's host sync rather than after
     it, so its Python and launch overhead can overlap the GPU's work on this step (offline: the wait
-    on the loader and the host->device copies). Any sync inside the target's forward (HF's mask
-    checks) still waits for this step; the gain is not measured on a GPU yet. Holds two windows'
-    states at a time; `close` drops the one prepared past the loop's end."""
+    on the loader and the host->device copies). A host sync inside the target's forward would still
+    wait for this step; the gain is not measured on a GPU yet. Holds two windows' states at a time;
+    `close` drops the one prepared past the loop's end."""
 
     _END = object()
 
