@@ -95,7 +95,8 @@ def run_keys(configs: dict[str, EyasConfig], stages: list[str]) -> dict[str, str
 MARKER = "run_key.txt"
 
 
-def claim_stage_dir(stage: str, out: Path, key: str, fresh: bool = False) -> bool:
+def claim_stage_dir(stage: str, out: Path, key: str, fresh: bool = False,
+                    why_fresh: str = "its inputs changed: an earlier stage ran again") -> bool:
     """Make `out` ready for a run of `stage` with `key`; True when an interrupted or partial run
     with the same key is there to resume. A complete or partial output made by `eyas run` with
     other settings, or (`fresh`) from inputs that have changed since, is removed; a non-empty
@@ -109,7 +110,7 @@ def claim_stage_dir(stage: str, out: Path, key: str, fresh: bool = False) -> boo
         same = marker.read_text().strip() == key
         if same and not fresh:
             return True
-        why = "its inputs changed: an earlier stage ran again" if same else "made with other settings"
+        why = why_fresh if same else "made with other settings"
         print(f"[eyas:run] {stage}: removing {out} ({why})", flush=True)
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -117,18 +118,30 @@ def claim_stage_dir(stage: str, out: Path, key: str, fresh: bool = False) -> boo
     return False
 
 
-def stage_state(stage_dir: Path, stage: str, key: str, upstream: str) -> tuple[str, dict[str, Any]]:
+def source_fingerprint(data: str) -> str:
+    """What the first stage reads: the data file's content (sha256; a `datasets` directory by its
+    files' names and sizes), as prepare records it."""
+    from eyas.prepare import data_hash
+
+    if data != "embedded:sharegpt" and not Path(data).exists():
+        raise ConfigError(f"prepare.data={data!r}: no such file or directory")
+    return "data:" + data_hash(data)
+
+
+def stage_state(stage_dir: Path, stage: str, key: str, upstream: str, first: bool = False) -> tuple[str, dict[str, Any]]:
     """("done" | "partial" | "inputs" | "stale", meta): a complete output of this key made from the
-    previous stage's current output (`upstream`: the hash of its meta.json), one that stopped early
-    at its time budget, one made from an earlier state of the previous stage (continued since), or
-    anything else (missing, interrupted, other settings)."""
+    previous stage's current output (`upstream`: the hash of its meta.json; for the first stage the
+    data file's `source_fingerprint`), one that stopped early at its time budget, one made from an
+    earlier state of its input (continued or edited since), or anything else (missing, interrupted,
+    other settings). A first stage made before eyas recorded its data's fingerprint (upstream "")
+    is taken as made from the current data."""
     try:
         meta = artifacts.read_meta(stage_dir, stage)
     except ArtifactError:
         return "stale", {}
     if meta.get("run_key") != key:
         return "stale", meta
-    if meta.get("upstream", "") != upstream:
+    if meta.get("upstream", "") != upstream and not (first and meta.get("upstream", "") == ""):
         return "inputs", meta
     return ("partial" if is_partial(meta) else "done"), meta
 
@@ -188,10 +201,12 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
     (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end or on failure
     record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
     changed = False  # a stage ran in this invocation: every later stage's output is out of date
-    upstream = ""  # the hash of the previous stage's meta.json as this run leaves it
+    # the hash of the previous stage's meta.json as this run leaves it; the first stage's input is
+    # the data file itself, so an edited file (same path) re-runs it
+    upstream = source_fingerprint(configs[stages[0]].prepare.data)
     for s in stages:
         out = cfg.stage_dir(s)
-        state, meta = ("stale", {}) if changed else stage_state(out, s, keys[s], upstream)
+        state, meta = ("stale", {}) if changed else stage_state(out, s, keys[s], upstream, first=s == stages[0])
         if state == "partial" and s in RESUMABLE and s not in cfg.accept_partial_stages():
             print(f"[eyas:run] {s}: partial ({partial_progress(s, meta)}, stopped at its time budget): continuing; "
                   f"--accept_partial={s} uses it as it is", flush=True)
@@ -209,7 +224,10 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
             if s == cfg.stop_after:
                 return record
             continue
-        resuming = claim_stage_dir(s, out, keys[s], fresh=changed or state == "inputs")
+        edited = s == stages[0] and state == "inputs"
+        resuming = claim_stage_dir(s, out, keys[s], fresh=changed or state == "inputs", why_fresh=(
+            f"its inputs changed: {configs[s].prepare.data} is not the file it was made from" if edited
+            else "its inputs changed: an earlier stage ran again"))
         changed = True
         print(f"[eyas:run] {s}: {'resuming' if resuming else 'running'} -> {out}", flush=True)
         stage_cfg = configs[s]
@@ -301,7 +319,11 @@ def _evaluation(eval_dir: Path) -> dict[str, Any]:
     res = json.loads(path.read_text())
     keys = ("tau_chain", "tau_tree", "acceptance_per_position", "lossless", "lossless_up_to_ties", "num_divergent",
             "num_divergent_near_tie", "speedup")
-    return {k: res.get(k) for k in keys}
+    out = {k: res.get(k) for k in keys}  # the un-suffixed ones: the tree's when it ran (results.json's primary mode)
+    for mode, m in (res.get("modes") or {}).items():
+        out[f"acceptance_per_position_{mode}"] = m.get("acceptance_per_position")
+        out[f"speedup_{mode}"] = m.get("speedup")
+    return out
 
 
 def print_summary(rec: dict[str, Any]) -> None:
@@ -311,13 +333,15 @@ def print_summary(rec: dict[str, Any]) -> None:
         wall = f"{r['wall_s']:.1f} s" if r.get("wall_s") is not None else ""
         status = r["status"] + (" partial" if r.get("partial") else "")
         lines.append(f"  {s:<11} {status:<16} {wall:>10} {tps:>16}  {r['dir']}")
-    if "tau_chain" in rec:
-        lines.append(f"  tau chain   {rec['tau_chain']}")
-        lines.append(f"  tau tree    {rec['tau_tree']}")
-        acc = [a["conditional"] if isinstance(a, dict) else a for a in rec.get("acceptance_per_position") or []]
-        lines.append("  acceptance  " + " ".join(f"{a:.2f}" for a in acc) + "   (P(accept | reached) per draft position)")
+    for mode in ("chain", "tree"):
+        if rec.get(f"tau_{mode}") is None:
+            continue
+        acc = [a["conditional"] for a in rec.get(f"acceptance_per_position_{mode}") or []]
+        speedup = rec.get(f"speedup_{mode}")
+        lines.append(f"  {mode:<11} tau {rec[f'tau_{mode}']:.3f}  speedup " + (f"{speedup:.2f}x" if speedup else "-")
+                     + "  P(accept | reached) per draft position: " + " ".join(f"{a:.2f}" for a in acc))
+    if "lossless" in rec:
         lines.append(f"  lossless    {rec['lossless']}" + (
             f" ({rec['num_divergent']} outputs differ, {rec['num_divergent_near_tie']} first at a near-tie: lossless up to "
             f"numerics {rec['lossless_up_to_ties']})" if rec.get("num_divergent") else ""))
-        lines.append(f"  speedup     {rec['speedup']:.2f}x" if rec.get("speedup") else f"  speedup     {rec.get('speedup')}")
     print("\n".join(lines), flush=True)

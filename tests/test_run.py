@@ -6,6 +6,7 @@ key re-runs train, export and evaluate only."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -56,6 +57,12 @@ def test_run_end_to_end_then_skips(tmp_path, smollm2_dir, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert list(summary["stages"]) == everything
     assert summary["lossless"] is True and summary["tau_chain"] >= 1.0 and summary["tau_tree"] >= 1.0
+    results = json.loads((run / "evaluate" / "results.json").read_text())
+    for mode in ("chain", "tree"):  # each mode's own per-position acceptance and speedup, printed by mode
+        assert summary[f"acceptance_per_position_{mode}"] == results["modes"][mode]["acceptance_per_position"]
+        assert summary[f"speedup_{mode}"] == results["modes"][mode]["speedup"] > 0
+        assert re.search(rf"^  {mode} +tau {summary[f'tau_{mode}']:.3f}  speedup .*P\(accept \| reached\)", out, re.M)
+    assert summary["acceptance_per_position"] == summary["acceptance_per_position_tree"]  # the primary mode
     assert summary["stages"]["extract"]["tokens_per_s"] > 0 and summary["stages"]["train"]["tokens_per_s"] > 0
     for s in everything:
         assert json.loads((run / s / "meta.json").read_text())["run_key"]
@@ -145,6 +152,44 @@ def test_run_continues_partial_stages(tmp_path, smollm2_dir, capsys):
     steps = [json.loads(ln)["step"] for ln in (run / "train" / "metrics.jsonl").read_text().splitlines()
              if json.loads(ln)["split"] == "train"]
     assert steps == [1, 2, 3, 4]  # one curve, no step twice
+
+
+def test_edited_data_file_reruns_the_first_stage(tmp_path, smollm2_dir, capsys):
+    """The first stage's input is the data file's content, not its path: the same path edited
+    re-runs it (and so every stage after it); a missing file is a ConfigError before anything runs."""
+    from eyas.errors import ConfigError
+
+    y = str(recipe(tmp_path, smollm2_dir))
+    run, data = tmp_path / "run", tmp_path / "chats.jsonl"
+
+    def write(n):
+        data.write_text("".join(json.dumps({"id": f"c{i}", "messages": [
+            {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}) + "\n"
+            for i in range(n)))
+
+    write(3)
+    args = ["run", y, "--regenerate.enabled=false", f"--prepare.data={data}", "--stop_after=prepare"]
+    assert cli(args) == 0
+    capsys.readouterr()
+    assert cli(args) == 0
+    assert stages_line(capsys.readouterr().out) == {"prepare": "skipped"}
+    write(4)
+    assert cli(args) == 0
+    out = capsys.readouterr().out
+    assert stages_line(out) == {"prepare": "ran"} and f"{data} is not the file it was made from" in out
+    assert counts(run, "prepare")["records"] == 4
+    # an output made before eyas recorded the data's fingerprint is taken as made from this data
+    meta = json.loads((run / "prepare" / "meta.json").read_text())
+    assert meta["upstream"].startswith("data:")
+    (run / "prepare" / "meta.json").write_text(json.dumps({**meta, "upstream": ""}))
+    assert cli(args) == 0
+    assert stages_line(capsys.readouterr().out) == {"prepare": "skipped"}
+    data.unlink()
+    with pytest.raises(ConfigError, match="no such file"):
+        from eyas.config import load_config
+        from eyas.run import main as run_main
+
+        run_main(load_config(y, args[2:]))
 
 
 @pytest.mark.slow

@@ -154,6 +154,13 @@ def test_tiny_run_on_real_smollm2_states_learns(tmp_path, smol_prep, smol_model)
 
     out = cfg.stage_dir("train")
     assert read_meta(out, "train")["metrics"]["tau"] == pytest.approx(last["tau"]) == meta["metrics"]["tau"]
+    # the stage's rate: every window of the run (not the last one alone), then without the first
+    seconds = [r["tokens"] / r["tokens_per_s"] for r in recs]
+    m = meta["metrics"]
+    assert m["tokens_per_s"] == pytest.approx(sum(r["tokens"] for r in recs) / sum(seconds), rel=1e-9)
+    assert m["tokens_per_s_after_first_window"] == pytest.approx(
+        sum(r["tokens"] for r in recs[1:]) / sum(seconds[1:]), rel=1e-9)
+    assert m["tokens_per_s_last_window"] == last["tokens_per_s"]
     draft = load_draft(out / "final", data.embed_VD)
     assert draft.config.aux_layer_ids == [2, 15, 27] and draft.config.draft_vocab_size == 512
     assert torch.equal(draft.d2t, data.d2t) and torch.equal(draft.t2d, data.t2d)

@@ -338,6 +338,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     tokens, norms, t0, paused = 0, [], time.perf_counter(), 0.0  # paused: evaluation and checkpoints
     last_train: dict[str, Any] = {}
     last_eval: dict[str, Any] = {}
+    windows_log: list[tuple[float, float]] = []  # (tokens, training seconds) of each logged window of this run
     step, epoch = start, sched.position(start)[0]
     end, t_fit = sched.total, time.perf_counter()
     tr.model.train()
@@ -353,6 +354,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             rec = summarize(acc, tr.weights_T)
             num_tokens = float(all_reduce_sum(torch.tensor(float(tokens), device=tr.device)).item())  # logging sync
             dt = time.perf_counter() - t0 - paused
+            windows_log.append((num_tokens, dt))
             last_train = dict(step=done, epoch=epoch, split="train", **rec, lr=tr.scheduler.get_last_lr()[0],
                               grad_norm=float(torch.stack(norms).mean()), tokens=int(num_tokens),
                               tokens_per_s=num_tokens / max(dt, 1e-9))
@@ -384,7 +386,18 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     if start < end or not checkpoint.checkpoints(ckpt_root):
         save(tr, ckpt_root, end, sched, draft_cfg)
     log.close()
-    return {"train": last_train, "eval": last_eval, "steps_done": end, "stopped_early": end < sched.total}
+    return {"train": last_train, "eval": last_eval, "steps_done": end, "stopped_early": end < sched.total,
+            **run_rates(windows_log)}
+
+
+def run_rates(windows_log: list[tuple[float, float]]) -> dict[str, float | None]:
+    """Training tokens/s of this run (evaluation and checkpoint pauses left out): over all its logged
+    windows, and without the first, which holds the compilation of a compiled step."""
+    def rate(w):
+        seconds = sum(s for _, s in w)
+        return sum(n for n, _ in w) / seconds if w and seconds > 0 else None
+
+    return {"tokens_per_s": rate(windows_log), "tokens_per_s_after_first_window": rate(windows_log[1:])}
 
 
 def out_of_time(tr: Trainer, t_start: float, budget_s: float) -> bool:
