@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Builds the .carry/ folders that bench/smollm2_gpu.sh takes to the device machine (here, on the
+# CPU machine, from the installed embedded assets: `make setup` first). A call carries at most
+# 64 MiB with the repository (~7 MB with data/), so the 98 MB GGUF travels in two uneven parts:
+#   .carry/p1   gguf wheel, GGUF bytes 0..55,000,000 (smolpart.00), MT-bench question.jsonl  -> `keep`
+#   .carry/p2   the GGUF's rest (smolpart.01)                                      -> the first phase after it
+#   .carry/r2   sharegpt_rest.jsonl.xz: the ShareGPT records whose conversation is not in
+#               data/smollm2-sharegpt-regenerated.jsonl.xz (by id)                 -> `regenerate_rest`
+#               with ALL=1 instead sharegpt_all.jsonl.xz, all 17,671 (19.6 MB)     -> `source`
+#   .carry/cfg  smolcfg/: SmolLM2's config and tokenizer, no weights (2 MB)        -> `check`, or `keep`'s profile
+# and prints what each call would carry against the 64 MiB (failing when one is over). .carry/ is
+# in .gitignore.
+#     bash bench/smollm2_carry.sh            # then the calls of bench/smollm2_gpu.sh's header
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+C=.carry
+mkdir -p $C/p1 $C/p2 $C/r2 $C/cfg/smolcfg
+gguf=$($PY -c "from eyas import assets; print(assets.package_file(assets.SMOLLM2_PACKAGE, assets.SMOLLM2_GGUF))")
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $gguf" | sha256sum -c
+head -c 55000000 "$gguf" > $C/p1/smolpart.00
+tail -c +55000001 "$gguf" > $C/p2/smolpart.01
+cmp <(cat $C/p1/smolpart.00 $C/p2/smolpart.01) "$gguf"
+rm -f $C/p1/gguf-*.whl
+$PY -m pip download -q --no-deps --only-binary=:all: -d $C/p1 "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')"
+cp "$($PY -c 'from eyas import assets; print(assets.mtbench_path())')" $C/p1/mtbench.jsonl
+rm -f $C/r2/*
+$PY - "${ALL:-0}" $C/r2 data/smollm2-sharegpt-regenerated.jsonl.xz <<'PY'
+import json, lzma, sys
+from eyas import assets
+from eyas.chat import load_conversations
+everything, out, done_file = sys.argv[1] == "1", sys.argv[2], sys.argv[3]
+recs = assets.load_sharegpt()
+if everything:
+    name, keep = "sharegpt_all", recs
+else:
+    done = {c.id for c in load_conversations(done_file, "openai")[0]}
+    name, keep = "sharegpt_rest", [r for r in recs if str(r.get("id")) not in done]
+with lzma.open(f"{out}/{name}.jsonl.xz", "wt", encoding="utf-8", preset=6) as f:
+    for r in keep:
+        f.write(json.dumps(r, ensure_ascii=False) + "\n")
+print(f"{len(keep)} of {len(recs)} ShareGPT records -> {out}/{name}.jsonl.xz")
+PY
+smol=$($PY -c "from eyas import assets; print(assets.smollm2_dir())")
+cp "$smol"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} $C/cfg/smolcfg/
+
+# what travels with every call: tracked files and untracked ones git does not ignore
+tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r stat -c %s -- 2>/dev/null \
+    | awk '{s += $1} END {print s + 0}')
+size() { du -cb "$@" | tail -1 | cut -f1; }
+over=0
+call() {  # NAME FOLDER...: the call's bytes with the working tree
+    local n=$(( tree + $(size "${@:2}") ))
+    awk -v name="$1" -v n=$n 'BEGIN {printf "  %-34s %6.1f MB of 67.1\n", name, n / 1e6}'
+    (( n <= 67108864 )) || { echo "    over the 64 MiB a call carries" >&2; over=1; }
+}
+awk -v n=$tree 'BEGIN {printf "per call (the working tree: %.1f MB):\n", n / 1e6}'
+call "keep (p1)" $C/p1
+if [[ ${ALL:-0} == 1 ]]; then
+    call "source (r2)" $C/r2
+    call "regenerate (p2)" $C/p2
+else
+    call "regenerate_rest (p2 r2)" $C/p2 $C/r2
+fi
+call "check (r2 cfg)" $C/r2 $C/cfg
+exit $over
