@@ -130,9 +130,9 @@ def iter_json_array(path: str | Path, stop_at_truncation: bool = True) -> Iterat
     With stop_at_truncation, a record cut off by the end of the file ends the iteration; any other
     malformed record is a DataError naming the file and line.
     """
-    from eyas.chat import open_text, reading
+    from eyas.chat import open_text
 
-    with reading(Path(path)), open_text(Path(path)) as f:
+    with open_text(Path(path)) as f:
         text = f.read()
     dec = json.JSONDecoder()
     pos = _skip_ws(text, 0)

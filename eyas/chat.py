@@ -46,22 +46,22 @@ COMPRESSED = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}
 """Suffixes of data files decompressed on the fly: data.jsonl.xz reads as data.jsonl."""
 
 
-def open_text(p: Path):
-    """A data file opened for reading text; .xz, .gz and .bz2 are decompressed as it is read."""
-    opener = COMPRESSED.get(p.suffix)
-    return opener(p, "rt", encoding="utf-8") if opener else open(p, encoding="utf-8")
-
-
 @contextmanager
-def reading(p: Path) -> Iterator[None]:
-    """A compressed file that is cut short or not what its suffix says fails naming the file (the
-    decompressors raise EOFError, LZMAError or OSError without it)."""
+def open_text(p: Path) -> Iterator[Any]:
+    """A data file opened for reading text; .xz, .gz and .bz2 are decompressed as it is read. A
+    compressed file cut short or not what its suffix says fails naming the file (the decompressors
+    raise EOFError, LZMAError or OSError without it), also when that shows only mid-read."""
+    opener = COMPRESSED.get(p.suffix)
+    if opener is None:
+        with open(p, encoding="utf-8") as f:
+            yield f
+        return
     try:
-        yield
+        with opener(p, "rt", encoding="utf-8") as f:
+            yield f
     except (EOFError, lzma.LZMAError, OSError) as e:
-        if p.suffix not in COMPRESSED:
-            raise
-        raise DataError(f"{p}: cannot decompress it as {p.suffix} ({type(e).__name__}: {exception_message(e)}); is the file whole?") from None
+        raise DataError(f"{p}: cannot decompress it as {p.suffix} ({type(e).__name__}: {exception_message(e)}); "
+                        "is the file whole?") from None
 
 
 def data_suffix(p: Path) -> str:
@@ -90,7 +90,7 @@ def iter_records(path: str, fmt: str = "auto") -> Iterator[tuple[str, dict[str, 
         yield from iter_jsonl(p)
         return
     # .json: an array of records (parsed record by record) or, like .jsonl, one object per line
-    with reading(p), open_text(p) as f:
+    with open_text(p) as f:
         head = f.read(4096).lstrip()
     if head.startswith("["):
         for i, rec in assets.iter_json_array(p, stop_at_truncation=False):
@@ -104,7 +104,7 @@ def iter_records(path: str, fmt: str = "auto") -> Iterator[tuple[str, dict[str, 
 
 
 def iter_jsonl(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    with reading(p), open_text(p) as f:
+    with open_text(p) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -93,10 +93,11 @@ def run_keys(configs: dict[str, EyasConfig], stages: list[str]) -> dict[str, str
 
 
 MARKER = "run_key.txt"
+INPUTS_CHANGED = "its inputs changed: an earlier stage ran again"
 
 
 def claim_stage_dir(stage: str, out: Path, key: str, fresh: bool = False,
-                    why_fresh: str = "its inputs changed: an earlier stage ran again") -> bool:
+                    why_fresh: str = INPUTS_CHANGED) -> bool:
     """Make `out` ready for a run of `stage` with `key`; True when an interrupted or partial run
     with the same key is there to resume. A complete or partial output made by `eyas run` with
     other settings, or (`fresh`) from inputs that have changed since, is removed; a non-empty
@@ -224,10 +225,10 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
             if s == cfg.stop_after:
                 return record
             continue
-        edited = s == stages[0] and state == "inputs"
+        edited = s == stages[0] and state == "inputs"  # the data file, not an earlier stage
         resuming = claim_stage_dir(s, out, keys[s], fresh=changed or state == "inputs", why_fresh=(
             f"its inputs changed: {configs[s].prepare.data} is not the file it was made from" if edited
-            else "its inputs changed: an earlier stage ran again"))
+            else INPUTS_CHANGED))
         changed = True
         print(f"[eyas:run] {s}: {'resuming' if resuming else 'running'} -> {out}", flush=True)
         stage_cfg = configs[s]

@@ -18,9 +18,9 @@ import torch
 
 from eyas import Prepared, vocab
 from eyas.chat import Conversation, load_conversations
-from eyas.errors import DataError
 from eyas.cli import main as cli
 from eyas.config import load_config
+from eyas.errors import DataError
 from eyas.prepare import tokenize_conversations
 
 # Meta-Llama-3-8B-Instruct's chat template (verbatim).
