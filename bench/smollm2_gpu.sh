@@ -24,7 +24,8 @@
 #               flow in one run directory (how session 7 made the committed file); again: regenerates more
 #   train       `eyas run --stop_after=export --accept_partial=regenerate` (prepare, extract, train,
 #               export); needs .carry/p2 when no regenerate phase came before it in this machine's
-#               life; again: trains longer (it resumes from the last checkpoint)
+#               life; again: trains longer (it resumes from the last checkpoint); TRAIN_SECONDS set
+#               for this call replaces keep's training budget
 #   evaluate    `eyas run --accept_partial=regenerate,train` (evaluate, summary)
 #   check       .carry/r2, .carry/cfg (SmolLM2's config + tokenizer, made by smollm2_carry.sh), after `keep`: graph tests,
 #               decoding speed, regenerate/extract/train rates on a random-weight SmolLM2-shaped target
@@ -180,7 +181,9 @@ regenerate_rest)
     ;;
 train)
     join_gguf
-    $E run $R $DATA $(cat "$KEEP/train_overrides") --stop_after=export --accept_partial=regenerate
+    # TRAIN_SECONDS given to this call replaces keep's budget for it (a resumed call has no extract stage)
+    $E run $R $DATA $(cat "$KEEP/train_overrides") ${TRAIN_SECONDS:+--train.max_seconds=$TRAIN_SECONDS} \
+        --stop_after=export --accept_partial=regenerate
     cp $RUN/train/metrics.jsonl "$OUT/train_metrics.jsonl"
     cp $RUN/train/meta.json "$OUT/train_meta.json"
     [[ -f $RUN/extract/meta.json ]] && cp $RUN/extract/meta.json "$OUT/extract_meta.json"  # none when online

@@ -292,14 +292,19 @@ def _record_failure(cfg: EyasConfig, run_dir: Path, record: dict[str, Any], stag
 
 
 def _throughput(stage: str, meta: dict[str, Any]) -> dict[str, Any]:
-    """The tokens/s a stage measured itself (model loading excluded), where it reports one."""
+    """The tokens/s a stage measured itself (model loading excluded), where it reports one; for a
+    training resumed over several runs also what all of them did (wall_s and tokens_per_s are the last run's)."""
     counts = meta.get("counts") or {}
     tps = {
         "regenerate": counts.get("tokens_per_s"),
         "extract": (counts.get("this_run") or {}).get("tokens_per_s"),
         "train": (meta.get("metrics") or {}).get("tokens_per_s"),
     }.get(stage)
-    return {"tokens_per_s": tps} if tps else {}
+    out: dict[str, Any] = {"tokens_per_s": tps} if tps else {}
+    total = (meta.get("metrics") or {}).get("all_runs") if stage == "train" else None
+    if total and total["runs"] > 1:
+        out["all_runs"] = total
+    return out
 
 
 def _plot(cfg: EyasConfig) -> None:
@@ -334,6 +339,10 @@ def print_summary(rec: dict[str, Any]) -> None:
         wall = f"{r['wall_s']:.1f} s" if r.get("wall_s") is not None else ""
         status = r["status"] + (" partial" if r.get("partial") else "")
         lines.append(f"  {s:<11} {status:<16} {wall:>10} {tps:>16}  {r['dir']}")
+        if r.get("all_runs"):
+            a = r["all_runs"]
+            lines.append(f"  {'':<11} over {a['runs']} runs: {a['steps']:,} steps, {a['seconds']:.1f} s of training"
+                         + (f", {a['tokens_per_s']:,.0f} tok/s" if a.get("tokens_per_s") else ""))
     for mode in ("chain", "tree"):
         if rec.get(f"tau_{mode}") is None:
             continue

@@ -147,8 +147,13 @@ def test_run_continues_partial_stages(tmp_path, smollm2_dir, capsys):
     assert counts(run, "train")["steps"] == 2
     assert cli(["run", y, *train, "--train.max_seconds=1e-6", "--accept_partial=regenerate,train"]) == 0
     assert stages_line(capsys.readouterr().out)["train"] == "skipped" and counts(run, "train")["steps"] == 2
-    assert cli(["run", y, *train]) == 0
+    capsys.readouterr()
+    assert cli(["run", y, *train[:-1]]) == 0  # and on to the summary
     assert (counts(run, "train")["steps"], counts(run, "train")["stopped_early"]) == (4, False)
+    # the stage's wall time and rate are the last run's; what the three runs did together is beside them
+    total = json.loads((run / "summary.json").read_text())["stages"]["train"]["all_runs"]
+    assert (total["runs"], total["steps"]) == (3, 4) and total["seconds"] > 0
+    assert "over 3 runs: 4 steps" in capsys.readouterr().out
     steps = [json.loads(ln)["step"] for ln in (run / "train" / "metrics.jsonl").read_text().splitlines()
              if json.loads(ln)["split"] == "train"]
     assert steps == [1, 2, 3, 4]  # one curve, no step twice

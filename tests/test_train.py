@@ -343,10 +343,25 @@ def test_max_seconds_stops_early_and_resume_finishes(tmp_path, smol_prep, tiny_t
     assert [r["step"] for r in read_metrics(train_dir)] == [2]
     assert (train_dir / "final" / "draft.safetensors").is_file() and (train_dir / "checkpoints" / "step_0000002").is_dir()
 
+    first = read_metrics(train_dir)
+    assert meta["counts"]["resumed_from_step"] == 0
+    assert meta["metrics"]["all_runs"] == {"runs": 1, "steps": 2, "tokens": first[0]["tokens"],
+                                           "seconds": pytest.approx(first[0]["tokens"] / first[0]["tokens_per_s"]),
+                                           "tokens_per_s": pytest.approx(first[0]["tokens_per_s"])}
+
     cfg.train.max_seconds, cfg.train.resume = 0.0, "auto"
     meta = run(cfg)
     assert meta["counts"]["steps"] == 5 and not meta["counts"]["stopped_early"]
-    assert [r["step"] for r in read_metrics(train_dir)] == [2, 4, 5]
+    recs = read_metrics(train_dir)
+    assert [r["step"] for r in recs] == [2, 4, 5]
+    # both runs' training, from the metrics log's windows; the last run's own rate stays tokens_per_s
+    assert meta["counts"]["resumed_from_step"] == 2
+    tokens, seconds = sum(r["tokens"] for r in recs), sum(r["tokens"] / r["tokens_per_s"] for r in recs)
+    total = meta["metrics"]["all_runs"]
+    assert (total["runs"], total["steps"], total["tokens"]) == (2, 5, tokens)
+    assert total["seconds"] == pytest.approx(seconds) and total["tokens_per_s"] == pytest.approx(tokens / seconds)
+    assert meta["metrics"]["tokens_per_s"] == pytest.approx(
+        sum(r["tokens"] for r in recs[1:]) / sum(r["tokens"] / r["tokens_per_s"] for r in recs[1:]))
 
 
 def test_flex_rows_have_one_length():

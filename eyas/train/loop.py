@@ -320,9 +320,11 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     """The training loop; -> final metrics (last train window, final eval)."""
     tc = tr.tc
     start = 0
+    prior: dict[str, float] | None = {"runs": 0, "steps": 0, "tokens": 0.0, "seconds": 0.0}  # earlier runs' work
     if resume is not None:
         state = checkpoint.load(resume, tr.model, tr.optimizer, tr.scheduler)
         start = state["step"]
+        prior = state.get("all_runs")  # None from a checkpoint of an eyas that did not count it
         if tr.rank == 0 and (state["world_size"], state["total_steps"]) != (tr.world_size, sched.total):
             print(f"[eyas:train] warning: {resume} was written by a run of {state['total_steps']} steps on "
                   f"{state['world_size']} ranks, this one has {sched.total} steps on {tr.world_size}: the data order "
@@ -377,17 +379,18 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             last_eval["seconds"] = time.perf_counter() - t_side
             log.write(last_eval)
         if tc.save_every and done % tc.save_every == 0 and done < sched.total:
-            save(tr, ckpt_root, done, sched, draft_cfg)
+            save(tr, ckpt_root, done, sched, draft_cfg, cumulative_work(prior, windows_log, done - start))
         paused += time.perf_counter() - t_side
     windows.close()  # a window prepared for a step past the time budget is dropped before evaluation
     if eval_loader_fn is not None:
         last_eval = dict(step=end, epoch=epoch, split="eval", **evaluate(tr, eval_loader_fn(), tc.eval_max_batches))
         log.write(last_eval)
+    total = cumulative_work(prior, windows_log, end - start)
     if start < end or not checkpoint.checkpoints(ckpt_root):
-        save(tr, ckpt_root, end, sched, draft_cfg)
+        save(tr, ckpt_root, end, sched, draft_cfg, total)
     log.close()
     return {"train": last_train, "eval": last_eval, "steps_done": end, "stopped_early": end < sched.total,
-            **run_rates(windows_log)}
+            "resumed_from_step": start, "all_runs": total, **run_rates(windows_log)}
 
 
 def run_rates(windows_log: list[tuple[float, float]]) -> dict[str, float | None]:
@@ -400,6 +403,19 @@ def run_rates(windows_log: list[tuple[float, float]]) -> dict[str, float | None]
     return {"tokens_per_s": rate(windows_log), "tokens_per_s_after_first_window": rate(windows_log[1:])}
 
 
+def cumulative_work(prior: dict[str, float] | None, windows_log: list[tuple[float, float]], steps: int) -> dict | None:
+    """The training behind a checkpoint over every run that led to it (a resumed run adds its own to the
+    work recorded in the checkpoint it resumed from; a killed run's steps past its last checkpoint were
+    redone, so they are not counted): runs, steps, tokens and seconds of the logged windows, tokens/s.
+    None when the checkpoint resumed from did not record it."""
+    if prior is None:
+        return None
+    tokens = prior["tokens"] + sum(n for n, _ in windows_log)
+    seconds = prior["seconds"] + sum(s for _, s in windows_log)
+    return {"runs": prior["runs"] + int(steps > 0), "steps": prior["steps"] + steps, "tokens": tokens,
+            "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else None}
+
+
 def out_of_time(tr: Trainer, t_start: float, budget_s: float) -> bool:
     """Rank 0's clock decides for every rank (called at a logging step, already a sync point)."""
     flag = torch.tensor(float(time.perf_counter() - t_start > budget_s), device=tr.device)
@@ -408,10 +424,11 @@ def out_of_time(tr: Trainer, t_start: float, budget_s: float) -> bool:
     return bool(flag.item())
 
 
-def save(tr: Trainer, ckpt_root: Path, step: int, sched: Schedule, draft_cfg: DraftConfig) -> None:
+def save(tr: Trainer, ckpt_root: Path, step: int, sched: Schedule, draft_cfg: DraftConfig,
+         all_runs: dict | None) -> None:
     epoch, window = sched.position(step)
     trainer = {"epoch": epoch, "window": window, "world_size": tr.world_size, "total_steps": sched.total,
-               "train_split": sched.split_digest}
+               "train_split": sched.split_digest, "all_runs": all_runs}
     checkpoint.save(ckpt_root, step, tr.model, tr.optimizer, tr.scheduler, draft_cfg, trainer, tr.rank,
                     tr.tc.keep_checkpoints)
 
