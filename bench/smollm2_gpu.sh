@@ -2,8 +2,11 @@
 # recipes/smollm2-sharegpt.yaml on the device machine (one H200, commands of < 10 minutes, no
 # internet), phase by phase; each phase is one device call and the calls follow each other while
 # the machine is warm (state lives in /root, outside the repo copy). `bash bench/smollm2_carry.sh`
-# (on the CPU machine) builds the .carry/ folders named here. A session's calls, for example:
+# (on the CPU machine) builds the .carry/ folders named here. A session's calls, for example
+# (session 8: keep -> train -> train -> evaluate, 6,000 offline steps):
 #   keep (carry .carry/p1) -> regenerate_rest (.carry/p2 .carry/r2) -> train -> evaluate
+# Two phases may share one call (`A && B`) when their returned files stay within 8, for example
+#   REGEN_SECONDS=200 bash bench/smollm2_gpu.sh regenerate_rest && DRAFT_BACK=0 TRAIN_SECONDS=250 bash bench/smollm2_gpu.sh train
 # Phases:
 #   keep        .carry/p1 (gguf wheel, the GGUF's first 55 MB, MT-bench question.jsonl): kept in
 #               /root/keep, with the conversations of data/smollm2-sharegpt-regenerated.jsonl.xz
@@ -25,7 +28,10 @@
 #   train       `eyas run --stop_after=export --accept_partial=regenerate` (prepare, extract, train,
 #               export); needs .carry/p2 when no regenerate phase came before it in this machine's
 #               life; again: trains longer (it resumes from the last checkpoint); TRAIN_SECONDS set
-#               for this call replaces keep's training budget
+#               for this call replaces keep's training budget. Offline, the first train call puts the
+#               hidden states where they fit (bench/place_states.py: the disk, else /dev/shm, else the
+#               first conversations that fit the disk) and the later calls keep that; DRAFT_BACK=0
+#               returns no draft weights
 #   evaluate    `eyas run --accept_partial=regenerate,train` (evaluate, summary)
 #   check       .carry/r2, .carry/cfg (SmolLM2's config + tokenizer, made by smollm2_carry.sh), after `keep`: graph tests,
 #               decoding speed, regenerate/extract/train rates on a random-weight SmolLM2-shaped target
@@ -45,6 +51,8 @@ SHAREGPT=$KEEP/sharegpt_all.jsonl.xz  # `regenerate` (FRESH=1): all of ShareGPT,
 REGENERATED=data/smollm2-sharegpt-regenerated.jsonl.xz  # conversations regenerated in session 7 (data/README.md)
 DATA="--run_dir=$RUN --prepare.data=$SHAREGPT --evaluate.bench=$KEEP/mtbench.jsonl"
 stamp() { echo "[smollm2_gpu $(date +%T)] $*"; }
+# keep's train/evaluate overrides, then where the first offline train call put the hidden states
+overrides() { cat "$KEEP/train_overrides"; [[ ! -f $KEEP/states_placed ]] || cat "$KEEP/states_placed"; }
 
 if [[ $phase == keep ]]; then
     cp .carry/p1/* "$KEEP/"
@@ -136,6 +144,8 @@ keep)
         compile=false
         [[ -n $eager && -n $compiled ]] && (( compiled * 10 >= eager * 11 )) && compile=true
     fi
+    df -h / /dev/shm; free -g | head -2  # room for offline states (the train phase decides where they go)
+    rm -f "$KEEP/states_placed"
     echo "--train.max_steps=${TRAIN_STEPS:-3000} --train.max_seconds=${TRAIN_SECONDS:-420} --evaluate.max_seconds=${EVAL_SECONDS:-420} --train.mode=${TRAIN_MODE:-offline} --train.compile=$compile" > "$KEEP/train_overrides"
     stamp "train overrides: $(cat $KEEP/train_overrides)"
     ;;
@@ -167,6 +177,7 @@ regenerate_rest)
         echo "regenerate_rest adds to $REGENERATED: call keep without FRESH=1 first" >&2; exit 2
     fi
     [[ -f $KEEP/regenerated_base.jsonl ]] || cp "$KEEP/regenerated.jsonl" "$KEEP/regenerated_base.jsonl"
+    rm -f "$KEEP/states_placed"  # more conversations: the next train call places their states again
     [[ -f $KEEP/sharegpt_rest.jsonl.xz ]] || cp .carry/r2/sharegpt_rest.jsonl.xz "$KEEP/"
     $E run $R --run_dir=/root/run-rest --prepare.data=$KEEP/sharegpt_rest.jsonl.xz --evaluate.bench=$KEEP/mtbench.jsonl \
         --regenerate.max_seconds=${REGEN_SECONDS:-420} --stop_after=regenerate
@@ -181,8 +192,17 @@ regenerate_rest)
     ;;
 train)
     join_gguf
+    # offline, first train call: where the hidden states fit (the disk, else tmpfs, else fewer
+    # conversations; bench/place_states.py), decided after prepare and kept for the later calls
+    if grep -q -- "--train.mode=offline" "$KEEP/train_overrides" && [[ ! -f $KEEP/states_placed ]]; then
+        $E run $R $DATA $(overrides) --stop_after=prepare --accept_partial=regenerate
+        python3 bench/place_states.py $RUN/prepare/meta.json --bytes-per-token $(( 4 * 576 * 2 )) --disk $RUN \
+            > "$KEEP/states_placed.tmp"
+        mv "$KEEP/states_placed.tmp" "$KEEP/states_placed"
+        stamp "train overrides: $(overrides)"
+    fi
     # TRAIN_SECONDS given to this call replaces keep's budget for it (a resumed call has no extract stage)
-    $E run $R $DATA $(cat "$KEEP/train_overrides") ${TRAIN_SECONDS:+--train.max_seconds=$TRAIN_SECONDS} \
+    $E run $R $DATA $(overrides) ${TRAIN_SECONDS:+--train.max_seconds=$TRAIN_SECONDS} \
         --stop_after=export --accept_partial=regenerate
     cp $RUN/train/metrics.jsonl "$OUT/train_metrics.jsonl"
     cp $RUN/train/meta.json "$OUT/train_meta.json"
@@ -193,10 +213,13 @@ train)
     # (8 files at most come back: with extract_meta.json, 8):
     # `cat draft_model.safetensors.part* > model.safetensors` beside export_speculators_config.json
     # (as config.json) lets the CPU evaluate the draft later
-    split -b 16000000 -d $RUN/export/speculators/model.safetensors "$OUT/draft_model.safetensors.part"
+    # DRAFT_BACK=0: not this time (a call that also returns regenerated conversations)
+    if [[ ${DRAFT_BACK:-1} == 1 ]]; then
+        split -b 16000000 -d $RUN/export/speculators/model.safetensors "$OUT/draft_model.safetensors.part"
+    fi
     ;;
 evaluate)
-    $E run $R $DATA $(cat "$KEEP/train_overrides") --accept_partial=regenerate,train || echo "eyas run failed (rc $?)"
+    $E run $R $DATA $(overrides) --accept_partial=regenerate,train || echo "eyas run failed (rc $?)"
     for f in evaluate/results.json run.log summary.json; do  # whatever there is: the fp32 check still runs
         cp "$RUN/$f" "$OUT/$(echo $f | tr / _)" || echo "no $f"
     done
