@@ -2,22 +2,27 @@
 before the first extract (bench/smollm2_gpu.sh's train phase; SmolLM2's 10.8M tokens are 49.9 GB,
 all of ShareGPT regenerated ~73 GB, the machine's disk 64 GB): prints the eyas overrides to add.
 
-    python3 bench/place_states.py RUN/prepare/meta.json --bytes-per-token 4608 --disk /root --shm /dev/shm
+    python3 bench/place_states.py RUN/prepare --bytes-per-token 4608 --disk /root --shm /dev/shm
 
 - the run directory's disk when the states fit there with --margin-gb to spare: nothing to add;
 - else tmpfs (--shm) when they fit there and leave --keep-ram-gb of memory for the training job:
   --extract.out_dir=SHM/eyas-extract;
-- else as many of the first conversations as fit the disk, by the mean tokens per conversation
+- else as many of the first conversations as fit the disk, counted from prepare's token offsets
   (--prepare.max_conversations=N; extract checks the space itself before it writes anything).
+Measured before any states of an earlier run are removed, free space would be short by their size:
+the caller removes them first (smollm2_gpu.sh does).
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import shutil
 import sys
 from pathlib import Path
+
+from safetensors import safe_open
 
 GB = 1e9
 
@@ -29,17 +34,20 @@ def mem_available() -> float:
     raise RuntimeError("/proc/meminfo has no MemAvailable line")
 
 
-def place(tokens: int, conversations: int, bytes_per_token: int, disk_free: float, shm_free: float,
+def place(offsets: list[int], bytes_per_token: int, disk_free: float, shm_free: float,
           ram_free: float, margin: float, keep_ram: float, shm: str) -> tuple[list[str], str]:
-    """-> (overrides, why)."""
-    need = tokens * bytes_per_token
+    """offsets: prepare's cumulative token counts (conversation i holds offsets[i]..offsets[i+1]);
+    -> (overrides, why)."""
+    conversations, need = len(offsets) - 1, offsets[-1] * bytes_per_token
     if need + margin <= disk_free:
         return [], f"{need / GB:.1f} GB of states fit the disk ({disk_free / GB:.1f} GB free)"
     if need + margin <= shm_free and ram_free - need >= keep_ram:
         return [f"--extract.out_dir={shm}/eyas-extract"], (
             f"{need / GB:.1f} GB of states: not on the disk ({disk_free / GB:.1f} GB free), into {shm} "
             f"({shm_free / GB:.1f} GB free, {ram_free / GB:.1f} GB of memory available)")
-    fit = int(conversations * (disk_free - margin) / need)
+    # the first `fit` kept conversations fit; max_conversations counts records, of which prepare may
+    # drop some, so the first `fit` records hold no more tokens than that
+    fit = bisect.bisect_right(offsets, (disk_free - margin) / bytes_per_token) - 1
     if fit < 1:
         raise SystemExit(f"no room for any hidden states: {disk_free / GB:.1f} GB free on the disk")
     return [f"--prepare.max_conversations={fit}"], (
@@ -49,18 +57,22 @@ def place(tokens: int, conversations: int, bytes_per_token: int, disk_free: floa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("prepare_meta")
+    ap.add_argument("prepare_dir", help="RUN/prepare")
     ap.add_argument("--bytes-per-token", type=int, required=True, help="(aux layers + 1) x hidden x dtype bytes")
     ap.add_argument("--disk", required=True, help="the run directory (or a directory on its disk)")
     ap.add_argument("--shm", default="/dev/shm")
     ap.add_argument("--margin-gb", type=float, default=6.0)
     ap.add_argument("--keep-ram-gb", type=float, default=40.0)
     a = ap.parse_args(argv)
-    counts = json.loads(Path(a.prepare_meta).read_text())["counts"]
+    prep = Path(a.prepare_dir)
+    with safe_open(str(prep / "tokens.safetensors"), "np") as f:
+        offsets = [int(x) for x in f.get_tensor("offsets")]
+    tokens = json.loads((prep / "meta.json").read_text())["counts"]["tokens"]
+    if offsets[-1] != tokens:
+        raise SystemExit(f"{prep}: tokens.safetensors holds {offsets[-1]} tokens, meta.json says {tokens}")
     shm_free = shutil.disk_usage(a.shm).free if Path(a.shm).is_dir() else 0.0
-    overrides, why = place(counts["tokens"], counts["conversations_kept"], a.bytes_per_token,
-                           shutil.disk_usage(a.disk).free, shm_free, mem_available(), a.margin_gb * GB,
-                           a.keep_ram_gb * GB, a.shm)
+    overrides, why = place(offsets, a.bytes_per_token, shutil.disk_usage(a.disk).free, shm_free, mem_available(),
+                           a.margin_gb * GB, a.keep_ram_gb * GB, a.shm)
     print(f"[place_states] {why}", file=sys.stderr)
     print(" ".join(overrides))
     return 0

@@ -177,7 +177,6 @@ regenerate_rest)
         echo "regenerate_rest adds to $REGENERATED: call keep without FRESH=1 first" >&2; exit 2
     fi
     [[ -f $KEEP/regenerated_base.jsonl ]] || cp "$KEEP/regenerated.jsonl" "$KEEP/regenerated_base.jsonl"
-    rm -f "$KEEP/states_placed"  # more conversations: the next train call places their states again
     [[ -f $KEEP/sharegpt_rest.jsonl.xz ]] || cp .carry/r2/sharegpt_rest.jsonl.xz "$KEEP/"
     $E run $R --run_dir=/root/run-rest --prepare.data=$KEEP/sharegpt_rest.jsonl.xz --evaluate.bench=$KEEP/mtbench.jsonl \
         --regenerate.max_seconds=${REGEN_SECONDS:-420} --stop_after=regenerate
@@ -186,6 +185,7 @@ regenerate_rest)
     n=$(cat "$KEEP/regenerated_base.jsonl" /root/run-rest/regenerate/conversations.jsonl | wc -l)
     cat "$KEEP/regenerated_base.jsonl" /root/run-rest/regenerate/conversations.jsonl > "$KEEP/regenerated.tmp"
     mv "$KEEP/regenerated.tmp" "$KEEP/regenerated.jsonl"
+    rm -f "$KEEP/states_placed"  # more conversations: the next train call places their states again
     stamp "conversations to train on: $n"
     cp /root/run-rest/regenerate/meta.json "$OUT/regenerate_rest_meta.json"
     xz -T0 -c /root/run-rest/regenerate/conversations.jsonl | split -b 15000000 -d - "$OUT/regenerated_rest.jsonl.xz.part"
@@ -196,7 +196,10 @@ train)
     # conversations; bench/place_states.py), decided after prepare and kept for the later calls
     if grep -q -- "--train.mode=offline" "$KEEP/train_overrides" && [[ ! -f $KEEP/states_placed ]]; then
         $E run $R $DATA $(overrides) --stop_after=prepare --accept_partial=regenerate
-        python3 bench/place_states.py $RUN/prepare/meta.json --bytes-per-token $(( 4 * 576 * 2 )) --disk $RUN \
+        # states of an earlier placement would hide their own room from the measurement: gone first
+        # (after keep or regenerate_rest only: new conversations, or a new run after keep again)
+        rm -rf $RUN/extract /dev/shm/eyas-extract
+        python3 bench/place_states.py $RUN/prepare --bytes-per-token $(( 4 * 576 * 2 )) --disk $RUN \
             > "$KEEP/states_placed.tmp"
         mv "$KEEP/states_placed.tmp" "$KEEP/states_placed"
         stamp "train overrides: $(overrides)"

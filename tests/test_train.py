@@ -364,6 +364,23 @@ def test_max_seconds_stops_early_and_resume_finishes(tmp_path, smol_prep, tiny_t
         sum(r["tokens"] for r in recs[1:]) / sum(r["tokens"] / r["tokens_per_s"] for r in recs[1:]))
 
 
+def test_a_checkpoint_between_logging_steps_counts_the_window_in_progress(tmp_path, smol_prep, tiny_target):
+    from eyas.train import checkpoint
+
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=4",
+                   "--train.log_every=2", "--train.save_every=3", "--train.keep_checkpoints=0")
+    run(cfg)
+    recs = read_metrics(cfg.stage_dir("train"))
+    assert [r["step"] for r in recs] == [2, 4]
+    state = torch.load(cfg.stage_dir("train") / "checkpoints" / "step_0000003" / checkpoint.TRAINER_STATE,
+                       weights_only=False)
+    work = state["all_runs"]
+    assert (work["runs"], work["steps"]) == (1, 3)
+    # steps 1-2 (the first window) and step 3, short of the second window's step 4
+    assert recs[0]["tokens"] < work["tokens"] < recs[0]["tokens"] + recs[1]["tokens"]
+    assert recs[0]["tokens"] / recs[0]["tokens_per_s"] < work["seconds"]
+
+
 def test_flex_rows_have_one_length():
     assert [build.flex_row_length(n) for n in (8, 128, 129, 16384)] == [128, 128, 256, 16384]
     assert build.resolve_attention("auto", torch.device("cpu")) == "sdpa"

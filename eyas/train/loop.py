@@ -320,7 +320,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     """The training loop; -> final metrics (last train window, final eval)."""
     tc = tr.tc
     start = 0
-    prior: dict[str, float] | None = {"runs": 0, "steps": 0, "tokens": 0.0, "seconds": 0.0}  # earlier runs' work
+    prior: dict[str, float] | None = {"runs": 0, "steps": 0, "tokens": 0, "seconds": 0.0}  # earlier runs' work
     if resume is not None:
         state = checkpoint.load(resume, tr.model, tr.optimizer, tr.scheduler)
         start = state["step"]
@@ -379,7 +379,11 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             last_eval["seconds"] = time.perf_counter() - t_side
             log.write(last_eval)
         if tc.save_every and done % tc.save_every == 0 and done < sched.total:
-            save(tr, ckpt_root, done, sched, draft_cfg, cumulative_work(prior, windows_log, done - start))
+            window = []  # the window in progress when a checkpoint falls between logging steps
+            if done % tc.log_every:  # the same on every rank, as the all-reduce needs
+                n = float(all_reduce_sum(torch.tensor(float(tokens), device=tr.device)).item())
+                window = [(n, t_side - t0 - paused)]
+            save(tr, ckpt_root, done, sched, draft_cfg, cumulative_work(prior, windows_log + window, done - start))
         paused += time.perf_counter() - t_side
     windows.close()  # a window prepared for a step past the time budget is dropped before evaluation
     if eval_loader_fn is not None:
@@ -410,7 +414,7 @@ def cumulative_work(prior: dict[str, float] | None, windows_log: list[tuple[floa
     None when the checkpoint resumed from did not record it."""
     if prior is None:
         return None
-    tokens = prior["tokens"] + sum(n for n, _ in windows_log)
+    tokens = int(prior["tokens"] + sum(n for n, _ in windows_log))
     seconds = prior["seconds"] + sum(s for _, s in windows_log)
     return {"runs": prior["runs"] + int(steps > 0), "steps": prior["steps"] + steps, "tokens": tokens,
             "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else None}
