@@ -2,7 +2,7 @@
 before the first extract (bench/smollm2_gpu.sh's train phase; SmolLM2's 10.8M tokens are 49.9 GB,
 all of ShareGPT regenerated ~73 GB, the machine's disk 64 GB): prints the eyas overrides to add.
 
-    python3 bench/place_states.py RUN/prepare --bytes-per-token 4608 --disk /root --shm /dev/shm
+    python3 bench/place_states.py RUN/prepare --bytes-per-token 4613 --disk /root --shm /dev/shm
 
 - the run directory's disk when the states fit there with --margin-gb to spare: nothing to add;
 - else tmpfs (--shm) when they fit there and leave --keep-ram-gb of memory for the training job:
@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import json
 import shutil
 import sys
 from pathlib import Path
 
-from safetensors import safe_open
+from eyas.prepared import Prepared
 
 GB = 1e9
 
@@ -58,18 +57,14 @@ def place(offsets: list[int], bytes_per_token: int, disk_free: float, shm_free: 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prepare_dir", help="RUN/prepare")
-    ap.add_argument("--bytes-per-token", type=int, required=True, help="(aux layers + 1) x hidden x dtype bytes")
+    ap.add_argument("--bytes-per-token", type=int, required=True,
+                    help="as extract's disk check counts: (aux layers + 1) x hidden x dtype bytes + 5 (ids, mask)")
     ap.add_argument("--disk", required=True, help="the run directory (or a directory on its disk)")
     ap.add_argument("--shm", default="/dev/shm")
     ap.add_argument("--margin-gb", type=float, default=6.0)
     ap.add_argument("--keep-ram-gb", type=float, default=40.0)
     a = ap.parse_args(argv)
-    prep = Path(a.prepare_dir)
-    with safe_open(str(prep / "tokens.safetensors"), "np") as f:
-        offsets = [int(x) for x in f.get_tensor("offsets")]
-    tokens = json.loads((prep / "meta.json").read_text())["counts"]["tokens"]
-    if offsets[-1] != tokens:
-        raise SystemExit(f"{prep}: tokens.safetensors holds {offsets[-1]} tokens, meta.json says {tokens}")
+    offsets = Prepared(a.prepare_dir).offsets.tolist()
     shm_free = shutil.disk_usage(a.shm).free if Path(a.shm).is_dir() else 0.0
     overrides, why = place(offsets, a.bytes_per_token, shutil.disk_usage(a.disk).free, shm_free, mem_available(),
                            a.margin_gb * GB, a.keep_ram_gb * GB, a.shm)

@@ -199,7 +199,7 @@ train)
         # states of an earlier placement would hide their own room from the measurement: gone first
         # (after keep or regenerate_rest only: new conversations, or a new run after keep again)
         rm -rf $RUN/extract /dev/shm/eyas-extract
-        python3 bench/place_states.py $RUN/prepare --bytes-per-token $(( 4 * 576 * 2 )) --disk $RUN \
+        python3 bench/place_states.py $RUN/prepare --bytes-per-token $(( 4 * 576 * 2 + 5 )) --disk $RUN \
             > "$KEEP/states_placed.tmp"
         mv "$KEEP/states_placed.tmp" "$KEEP/states_placed"
         stamp "train overrides: $(overrides)"
