@@ -269,6 +269,13 @@ def regenerate_chunk(backend, tok, convs: list[Conversation], rc, counts: Counte
     return out
 
 
+def batches(conversations: int, batch_size: int) -> int:
+    """Batches of rows a chunk of this many conversations fills in its first round: what the
+    max_seconds check scales the slowest chunk's time per batch by, so a short last chunk is
+    planned at its own cost (a chunk's later rounds shrink alike)."""
+    return -(-conversations // batch_size)
+
+
 def read_done(path: Path) -> set[int]:
     """Source indices already written. A torn last line (killed mid-write) is cut off."""
     if not path.is_file():
@@ -315,9 +322,10 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     counts: Counter = Counter()
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", dynamic_ncols=True)
-    longest, skipped = 0.0, 0
+    per_batch, skipped = 0.0, 0
     for b in range(0, len(todo), rc.chunk_conversations):
-        if b and rc.max_seconds and time.perf_counter() - t0 + longest > rc.max_seconds:  # a run always makes progress
+        ahead = per_batch * batches(len(todo[b : b + rc.chunk_conversations]), rc.batch_size)
+        if b and rc.max_seconds and time.perf_counter() - t0 + ahead > rc.max_seconds:  # a run always makes progress
             skipped = len(todo) - b
             print(f"\n[eyas:regenerate] regenerate.max_seconds={rc.max_seconds:g} reached: {skipped} conversations "
                   "left for a later run", flush=True)
@@ -328,7 +336,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         records = regenerate_chunk(backend, tok, chunk, rc, counts)
         append_records(path, records)
         dt = time.perf_counter() - t_chunk
-        longest = max(longest, dt)
+        per_batch = max(per_batch, dt / batches(len(chunk), rc.batch_size))
         tqdm.write(f"[eyas:regenerate] chunk of {len(chunk)} conversations: {counts['new_tokens'] - before:,} new tokens "
                    f"in {dt:.1f} s ({(counts['new_tokens'] - before) / max(dt, 1e-9):,.0f} tok/s)")
         bar.update(len(chunk))

@@ -12,7 +12,7 @@ import torch
 from eyas.cli import main as cli
 from eyas.config import load_config
 from eyas.errors import EyasError
-from eyas.regenerate import main as regenerate
+from eyas.regenerate import batches, main as regenerate
 from regenerate_helpers import ChatServer, greedy_reply
 
 CONVS = [
@@ -83,6 +83,14 @@ def test_hf_backend_equals_batch1_greedy_and_resumes(tmp_path, data, target):
     # prepare reads the regenerated conversations
     rc = cli(["prepare", f"--run_dir={tmp_path}", f"--prepare.data={path}", "--prepare.draft_vocab_size=100"])
     assert rc == 0
+
+
+def test_time_budget_plans_a_short_last_chunk_at_its_own_cost():
+    # session 9: a chunk of 4,096 conversations (4 batches of 1,024 rows) took 102.7 s; the 1,397
+    # left fill 2 batches, ~51 s, which fit a 200 s budget (planned at the whole chunk's 102.7 s, they did not)
+    per_batch = 102.7 / batches(4096, 1024)
+    assert per_batch * batches(1397, 1024) == pytest.approx(51.35)
+    assert (batches(1, 1024), batches(1024, 1024), batches(1025, 1024)) == (1, 1, 2)
 
 
 def test_max_turns_and_time_budget(tmp_path, data, target):

@@ -36,7 +36,8 @@ class RegenerateConfig:
     trades the long tail of a multi-turn set for throughput."""
     max_seconds: float = 0.0
     """Wall-clock budget (0 = none): after the first chunk, no new chunk is started when the time
-    used plus the longest chunk so far would exceed it. What was written stays (the count is reported and recorded in
+    used plus its planned time would exceed it (the slowest chunk so far per batch of batch_size
+    rows, times the batches the next chunk fills: a short last chunk is planned at its own cost). What was written stays (the count is reported and recorded in
     meta.json as `stopped_early`); a later run with a larger budget continues from there."""
     chunk_conversations: int = 256
     """Conversations regenerated (all their turns) and then written together; the resume unit."""
