@@ -6,17 +6,19 @@
 # (session 8: keep -> train -> train -> evaluate, 6,000 offline steps):
 #   keep (carry .carry/p1) -> regenerate_rest (.carry/p2 .carry/r2) -> train -> evaluate
 # Two phases may share one call (`A && B`) when their returned files stay within 8, for example
-#   REGEN_SECONDS=200 bash bench/smollm2_gpu.sh regenerate_rest && DRAFT_BACK=0 TRAIN_SECONDS=250 bash bench/smollm2_gpu.sh train
+# (session 9: 434 s, the regenerated conversations and a first training slot)
+#   REGEN_SECONDS=200 bash bench/smollm2_gpu.sh regenerate_rest && DRAFT_BACK=0 TRAIN_SECONDS=170 bash bench/smollm2_gpu.sh train
 # Phases:
 #   keep        .carry/p1 (gguf wheel, the GGUF's first 55 MB, MT-bench question.jsonl): kept in
 #               /root/keep, with the conversations of data/smollm2-sharegpt-regenerated.jsonl.xz
-#               (regenerated in session 7) to train on; FRESH=1 leaves those out (the `regenerate`
+#               (regenerated in sessions 7 and 9) to train on; FRESH=1 leaves those out (the `regenerate`
 #               flow). With .carry/cfg (SmolLM2's config and tokenizer) also a regenerate
 #               decode-step profile (random weights); SELF_CHECK=0 skips the GPU graph tests. Writes
 #               the train/evaluate overrides the later phases read, from TRAIN_STEPS (3000),
 #               TRAIN_SECONDS and EVAL_SECONDS (the budgets, 420 each), TRAIN_MODE (offline; online =
-#               no extract stage) and TRAIN_COMPILE (default: measured here, the SmolLM2 draft's step
-#               eager vs compiled)
+#               no extract stage), TRAIN_COMPILE (default: measured here, the SmolLM2 draft's step
+#               eager vs compiled) and TRAIN_ARGS (more eyas overrides for every later phase, e.g.
+#               "--train.intermediate_size=6144": a wider draft)
 #   regenerate_rest  .carry/p2 (the GGUF's rest) and .carry/r2 (sharegpt_rest: the ShareGPT
 #               conversations the committed file lacks): regenerated for REGEN_SECONDS (420) in their
 #               own run directory; the next `train` trains on them and the others; again: regenerates more
@@ -48,7 +50,7 @@ E="python3 -m eyas"
 R=recipes/smollm2-sharegpt.yaml
 RUN=/root/run  # outside the repo copy: its ignored folders (runs/) are cleared between calls
 SHAREGPT=$KEEP/sharegpt_all.jsonl.xz  # `regenerate` (FRESH=1): all of ShareGPT, the recipe's own flow
-REGENERATED=data/smollm2-sharegpt-regenerated.jsonl.xz  # conversations regenerated in session 7 (data/README.md)
+REGENERATED=data/smollm2-sharegpt-regenerated.jsonl.xz  # conversations regenerated in sessions 7 and 9 (data/README.md)
 DATA="--run_dir=$RUN --prepare.data=$SHAREGPT --evaluate.bench=$KEEP/mtbench.jsonl"
 stamp() { echo "[smollm2_gpu $(date +%T)] $*"; }
 # keep's train/evaluate overrides, then where the first offline train call put the hidden states
@@ -146,7 +148,7 @@ keep)
     fi
     df -h / /dev/shm; free -g | head -2  # room for offline states (the train phase decides where they go)
     rm -f "$KEEP/states_placed"
-    echo "--train.max_steps=${TRAIN_STEPS:-3000} --train.max_seconds=${TRAIN_SECONDS:-420} --evaluate.max_seconds=${EVAL_SECONDS:-420} --train.mode=${TRAIN_MODE:-offline} --train.compile=$compile" > "$KEEP/train_overrides"
+    echo "--train.max_steps=${TRAIN_STEPS:-3000} --train.max_seconds=${TRAIN_SECONDS:-420} --evaluate.max_seconds=${EVAL_SECONDS:-420} --train.mode=${TRAIN_MODE:-offline} --train.compile=$compile ${TRAIN_ARGS:-}" > "$KEEP/train_overrides"
     stamp "train overrides: $(cat $KEEP/train_overrides)"
     ;;
 source)
@@ -209,7 +211,9 @@ train)
         --stop_after=export --accept_partial=regenerate
     cp $RUN/train/metrics.jsonl "$OUT/train_metrics.jsonl"
     cp $RUN/train/meta.json "$OUT/train_meta.json"
-    [[ -f $RUN/extract/meta.json ]] && cp $RUN/extract/meta.json "$OUT/extract_meta.json"  # none when online
+    xdir=$(overrides | grep -o -- "--extract.out_dir=[^ ]*" | cut -d= -f2 || true)  # where place_states put them
+    xdir=${xdir:-$RUN/extract}
+    [[ -f $xdir/meta.json ]] && cp "$xdir/meta.json" "$OUT/extract_meta.json"  # none when online
     cp $RUN/export/sglang/config.json "$OUT/export_sglang_config.json"
     cp $RUN/export/speculators/config.json "$OUT/export_speculators_config.json"
     # the exported draft itself (~47 MB in bf16) in 3 parts under the 16 MiB a returned file may have
