@@ -21,7 +21,9 @@
 #               "--train.intermediate_size=6144": a wider draft)
 #   regenerate_rest  .carry/p2 (the GGUF's rest) and .carry/r2 (sharegpt_rest: the ShareGPT
 #               conversations the committed file lacks): regenerated for REGEN_SECONDS (420) in their
-#               own run directory; the next `train` trains on them and the others; again: regenerates more
+#               own run directory, with REGEN_ARGS (more eyas overrides, e.g. "--regenerate.self_prompts=8192":
+#               user turns SmolLM2 writes itself); the next `train` trains on them and the others; again:
+#               regenerates more
 #   source      .carry/r2 = sharegpt_all (`ALL=1 bash bench/smollm2_carry.sh`): only kept in
 #               /root/keep for `regenerate` (with a GGUF part and the repository it would not fit a call)
 #   regenerate  after `FRESH=1 ... keep` and `source`, with .carry/p2: `eyas run
@@ -181,7 +183,7 @@ regenerate_rest)
     [[ -f $KEEP/regenerated_base.jsonl ]] || cp "$KEEP/regenerated.jsonl" "$KEEP/regenerated_base.jsonl"
     [[ -f $KEEP/sharegpt_rest.jsonl.xz ]] || cp .carry/r2/sharegpt_rest.jsonl.xz "$KEEP/"
     $E run $R --run_dir=/root/run-rest --prepare.data=$KEEP/sharegpt_rest.jsonl.xz --evaluate.bench=$KEEP/mtbench.jsonl \
-        --regenerate.max_seconds=${REGEN_SECONDS:-420} --stop_after=regenerate
+        --regenerate.max_seconds=${REGEN_SECONDS:-420} ${REGEN_ARGS:-} --stop_after=regenerate
     # written whole, then renamed; the next `train` re-runs prepare and what follows, since eyas run
     # keys its first stage on the data file's content
     n=$(cat "$KEEP/regenerated_base.jsonl" /root/run-rest/regenerate/conversations.jsonl | wc -l)

@@ -14,6 +14,11 @@ record per line, fsync'd) only when all its turns are done, so re-running the sa
 every completed conversation and redoes at most one chunk. A turn whose prompt exceeds
 `max_prompt_tokens` ends its conversation there (counted).
 
+`self_prompts` adds conversations the target starts itself (Magpie, Xu et al. 2024): it samples
+user turns from its chat template's text before a user message's content (`pre_query_ids`); the
+distinct finished ones are stored in `self_prompts.json` (read back on a resume) and answered in
+the same chunks after the data's conversations, with source indices -1, -2, ...
+
 Backends share one interface: `generate(prompts: list[list[dict]]) -> list[Answer]`.
   hf      prompts sorted by length, left-padded, batched. On CUDA (`static_cache`, default): eyas's
           BatchDecoder (eyas/spec/static.py): fixed-size KV buffers and the decode step of all rows
@@ -53,6 +58,13 @@ class Answer:
     finish_reason: str  # "stop" | "length"
 
 
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+
 class HFBackend:
     """Batched in-process generation with the target (greedy or sampled)."""
 
@@ -70,39 +82,41 @@ class HFBackend:
         self.static = rc.static_cache and self.device.startswith("cuda")
         self.widths = sorted(rc.static_widths or {512, rc.max_prompt_tokens})
         self.decoder = None
-        self.generator = torch.Generator(self.device).manual_seed(cfg.seed)
+        self.generator = torch.Generator(self.device).manual_seed(cfg.seed)  # eyas's decoder samples with it
+        torch.manual_seed(cfg.seed)  # transformers' generate samples from the global generator
+        self.answers = Sampling(rc.temperature, rc.top_p, rc.max_new_tokens)
 
-    def generate(self, prompts_ids: list[list[int]]) -> list[Answer]:
-        import torch
-
+    def generate(self, prompts_ids: list[list[int]], sampling: Sampling | None = None) -> list[Answer]:
+        """Continuations of the token prompts; `sampling` defaults to the answers' settings."""
+        s = sampling or self.answers
         order = sorted(range(len(prompts_ids)), key=lambda i: len(prompts_ids[i]))
         out: list[Answer | None] = [None] * len(prompts_ids)
         for b in range(0, len(order), self.rc.batch_size):
             idx = order[b : b + self.rc.batch_size]
             batch = [prompts_ids[i] for i in idx]
             if self.static:
-                new = self._static_batch(batch)
+                new = self._static_batch(batch, s)
             else:
-                new = self._hf_batch(batch)
+                new = self._hf_batch(batch, s)
             for row, i in enumerate(idx):
                 out[i] = self._answer(new[row])
         return out  # type: ignore[return-value]
 
-    def _pick(self, logits_BV):
+    def _pick(self, logits_BV, s: Sampling):
         import torch
 
-        if self.rc.temperature == 0:
+        if s.temperature == 0:
             return logits_BV.argmax(-1)
         from eyas.spec.sampling import logits_to_probs
 
-        probs = logits_to_probs(logits_BV.float(), self.rc.temperature)
-        if self.rc.top_p < 1.0:
+        probs = logits_to_probs(logits_BV.float(), s.temperature)
+        if s.top_p < 1.0:
             p_sorted, idx = probs.sort(-1, descending=True)
-            drop = p_sorted.cumsum(-1) - p_sorted > self.rc.top_p
+            drop = p_sorted.cumsum(-1) - p_sorted > s.top_p
             probs = probs.scatter(-1, idx, p_sorted.masked_fill(drop, 0.0))
         return torch.multinomial(probs, 1, generator=self.generator).view(-1)
 
-    def _static_batch(self, batch: list[list[int]]) -> list[list[int]]:
+    def _static_batch(self, batch: list[list[int]], s: Sampling) -> list[list[int]]:
         """eyas's batched decoder (SlotCache + one CUDA graph per decode shape); rows and width bucketed."""
         from eyas.spec.static import BatchDecoder
 
@@ -111,16 +125,16 @@ class HFBackend:
         # prompts, a round's last ones): graphs need no compilation, so a new shape costs one
         # capture, while filler rows would cost a whole batch of decode steps
         rows = min(self.rc.batch_size, max(8, 1 << (len(batch) - 1).bit_length()))
-        if self.decoder is None or (self.decoder.rows, self.decoder.width) != (rows, width):
+        if self.decoder is None or (self.decoder.rows, self.decoder.width, self.decoder.max_new) != (rows, width, s.max_new_tokens):
             self.decoder = None  # one decoder's caches at a time
             if self.device.startswith("cuda"):
                 import torch
 
                 torch.cuda.empty_cache()
-            self.decoder = BatchDecoder(self.model, rows, width, self.rc.max_new_tokens)
-        return self.decoder.generate(batch, set(self.eos), self.pad, self._pick)
+            self.decoder = BatchDecoder(self.model, rows, width, s.max_new_tokens)
+        return self.decoder.generate(batch, set(self.eos), self.pad, lambda logits_BV: self._pick(logits_BV, s))
 
-    def _hf_batch(self, batch: list[list[int]]) -> list[list[int]]:
+    def _hf_batch(self, batch: list[list[int]], s: Sampling) -> list[list[int]]:
         import torch
 
         width = max(len(p) for p in batch)
@@ -130,13 +144,13 @@ class HFBackend:
             ids[row, width - len(p) :] = torch.tensor(p)
             mask[row, width - len(p) :] = 1
         kw: dict[str, Any] = dict(
-            max_new_tokens=self.rc.max_new_tokens,
-            do_sample=self.rc.temperature > 0,
+            max_new_tokens=s.max_new_tokens,
+            do_sample=s.temperature > 0,
             eos_token_id=self.eos,
             pad_token_id=self.pad,
         )
-        if self.rc.temperature > 0:
-            kw.update(temperature=self.rc.temperature, top_p=self.rc.top_p, top_k=0)
+        if s.temperature > 0:
+            kw.update(temperature=s.temperature, top_p=s.top_p, top_k=0)
         else:
             kw.update(temperature=None, top_p=None, top_k=None)
         with torch.inference_mode():
@@ -269,6 +283,75 @@ def regenerate_chunk(backend, tok, convs: list[Conversation], rc, counts: Counte
     return out
 
 
+SELF_PROMPTS = "self_prompts.json"
+_SENTINEL = "\u2063eyas user turn\u2063"
+
+
+def pre_query_ids(tok) -> list[int]:
+    """Token ids of the chat template's text before a first user message's content (with the
+    system prompt the template adds by itself, if any): what the target continues to write a user
+    turn. Checked against the template's own tokens of a real conversation, so a template whose
+    text does not tokenize the same cut there fails here, not in the samples."""
+    text = tok.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
+    if not isinstance(text, str) or text.count(_SENTINEL) != 1:
+        raise EyasError("regenerate.self_prompts: the chat template does not place a user message's content "
+                        "verbatim once, so there is no text before it to sample a user turn from")
+    ids = list(tok(text[: text.index(_SENTINEL)], add_special_tokens=False)["input_ids"])
+    real = list(tok.apply_chat_template([{"role": "user", "content": "Hello there."}], tokenize=True, return_dict=False))
+    if not ids or real[: len(ids)] != ids:
+        raise EyasError(f"regenerate.self_prompts: the chat template's text before the user's content tokenizes as "
+                        f"{ids[:16]}..., not as the start of a templated conversation {real[:16]}...")
+    return ids
+
+
+def self_prompt_settings(rc) -> dict[str, Any]:
+    return {"samples": rc.self_prompts, "temperature": rc.self_prompt_temperature, "top_p": rc.self_prompt_top_p,
+            "max_tokens": rc.self_prompt_max_tokens}
+
+
+def sample_self_prompts(backend: HFBackend, tok, rc) -> dict[str, Any]:
+    """rc.self_prompts user turns sampled by the target from pre_query_ids; the distinct finished
+    ones kept, in order, with counts of what was dropped."""
+    answers = backend.generate([pre_query_ids(tok)] * rc.self_prompts,
+                               Sampling(rc.self_prompt_temperature, rc.self_prompt_top_p, rc.self_prompt_max_tokens))
+    kept: list[str] = []
+    seen: set[str] = set()
+    counts = Counter({"sampled": len(answers), "unfinished": 0, "empty": 0, "duplicate": 0})
+    for a in answers:
+        if a.finish_reason != "stop":
+            counts["unfinished"] += 1
+        elif not a.text:
+            counts["empty"] += 1
+        elif a.text in seen:
+            counts["duplicate"] += 1
+        else:
+            seen.add(a.text)
+            kept.append(a.text)
+    counts["kept"] = len(kept)
+    return {"settings": self_prompt_settings(rc), "counts": dict(counts), "prompts": kept}
+
+
+def self_conversations(path: Path, backend, tok, rc) -> tuple[list[Conversation], dict[str, Any]]:
+    """The self-written single-turn conversations, sampled once into `path` and read back on a
+    resume (indices -1, -2, ...: apart from the data's); a file sampled with other settings is an error."""
+    if path.exists():
+        made = json.loads(path.read_text())
+        if made["settings"] != self_prompt_settings(rc):
+            raise EyasError(f"regenerate: {path} was sampled with {made['settings']}, not the configured "
+                            f"{self_prompt_settings(rc)}: remove it and {path.parent / OUTPUT} (or restore the settings)")
+        print(f"[eyas:regenerate] self-written user turns: {len(made['prompts'])} read from {path}", flush=True)
+    else:
+        t0 = time.perf_counter()
+        made = sample_self_prompts(backend, tok, rc)
+        artifacts.atomic_write_text(path, json.dumps(made, ensure_ascii=False))
+        c = made["counts"]
+        print(f"[eyas:regenerate] self-written user turns: {c['kept']} kept of {c['sampled']} sampled "
+              f"({c['unfinished']} unfinished, {c['empty']} empty, {c['duplicate']} repeated) in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    convs = [Conversation(f"self-{k}", [{"role": "user", "content": text}], -1 - k) for k, text in enumerate(made["prompts"])]
+    return convs, made["counts"]
+
+
 def batches(conversations: int, batch_size: int) -> int:
     """Batches of rows a chunk of this many conversations fills in its first round: what the
     max_seconds check scales the slowest chunk's time per batch by, so a short last chunk is
@@ -315,10 +398,14 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     convs, load_counts = load_conversations(pc.data, pc.format, pc.max_conversations, pc.system_prompt)
     path = out / OUTPUT
     done = read_done(path)
-    todo = [c for c in convs if c.index not in done]
+    backend = ServerBackend(cfg) if rc.backend == "server" else HFBackend(cfg, tok)
+    own: list[Conversation] = []
+    self_counts: dict[str, Any] = {}
+    if rc.self_prompts:  # after the data's conversations, in the same chunks
+        own, self_counts = self_conversations(out / SELF_PROMPTS, backend, tok, rc)
+    todo = [c for c in convs + own if c.index not in done]
     if done:
         print(f"[eyas:regenerate] resuming: {len(done)} conversations already done, {len(todo)} to go", flush=True)
-    backend = ServerBackend(cfg) if rc.backend == "server" else HFBackend(cfg, tok)
     counts: Counter = Counter()
     t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", dynamic_ncols=True)
@@ -346,6 +433,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     total = len(read_done(path))
     summary = {
         "conversations_in": len(convs),
+        "self_written": len(own),
         "conversations_written": total,
         "regenerated_now": len(todo) - skipped,
         "not_started": skipped,
@@ -357,6 +445,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         "seconds": round(seconds, 2),
         "counts": dict(counts),
         "load_counts": dict(load_counts),
+        "self_prompts": self_counts,
         "server_retries": getattr(backend, "retried", 0),
     }
     artifacts.write_meta(

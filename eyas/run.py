@@ -154,7 +154,7 @@ def is_partial(meta: dict[str, Any]) -> bool:
 def partial_progress(stage: str, meta: dict[str, Any]) -> str:
     c = meta.get("counts") or {}
     if stage == "regenerate":
-        return f"{c.get('conversations_written')} of {c.get('conversations_in')} conversations"
+        return f"{c.get('conversations_written')} of {(c.get('conversations_in') or 0) + (c.get('self_written') or 0)} conversations"
     if stage == "train":
         return f"{c.get('steps')} of {c.get('planned_steps')} steps"
     return "stopped early"

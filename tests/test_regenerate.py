@@ -110,6 +110,72 @@ def test_max_turns_and_time_budget(tmp_path, data, target):
         assert rec["messages"] == head + [user, {"role": "assistant", "content": want}]
 
 
+SMOL_PRE_QUERY = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+                  "<|im_start|>user\n")  # SmolLM2's template, with the system prompt it adds by itself
+
+
+def test_greedy_self_prompts_equal_a_plain_generate_and_resume(tmp_path, data, target):
+    """Greedy self-written user turns are all the target's own greedy continuation of the text
+    before a user message (one distinct prompt, the rest counted as repeats), answered as the
+    batch-1 reference answers it; a second run reads them back and redoes nothing."""
+    from eyas.regenerate import pre_query_ids
+
+    model, tok = target
+    prefix = pre_query_ids(tok)
+    assert tok.decode(prefix) == SMOL_PRE_QUERY
+    with torch.inference_mode():  # the independent reference: HF generate from the literal text
+        x = tok(SMOL_PRE_QUERY, return_tensors="pt", add_special_tokens=False)["input_ids"]
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False,
+                             temperature=None, top_p=None, top_k=None, pad_token_id=tok.eos_token_id)
+    new = out[0, x.shape[1]:].tolist()
+    assert tok.eos_token_id in new  # SmolLM2's greedy user turn ends within 48 tokens
+    user = tok.decode(new[: new.index(tok.eos_token_id)], skip_special_tokens=True).strip()
+    own = ["--prepare.max_conversations=1", "--regenerate.self_prompts=3", "--regenerate.self_prompt_temperature=0",
+           "--regenerate.self_prompt_max_tokens=48"]
+    s = regenerate(cfg_for(tmp_path, data, *own))
+    assert s["self_prompts"] == {"sampled": 3, "kept": 1, "unfinished": 0, "empty": 0, "duplicate": 2}
+    assert (s["conversations_in"], s["self_written"], s["conversations_written"]) == (1, 1, 2)
+    recs = read(tmp_path / "regenerate" / "conversations.jsonl")
+    assert [r["id"] for r in recs] == ["a", "self-0"]
+    asked = [{"role": "user", "content": user}]
+    assert recs[1]["messages"] == asked + [{"role": "assistant", "content": greedy_reply(model, tok, asked, NEW)[0]}]
+    s = regenerate(cfg_for(tmp_path, data, *own))
+    assert (s["resumed_from"], s["regenerated_now"], s["conversations_written"]) == (2, 0, 2)
+    assert read(tmp_path / "regenerate" / "conversations.jsonl") == recs
+    # other sampling settings than the file's: loud, naming what to remove
+    with pytest.raises(EyasError, match="was sampled with .*remove it"):
+        regenerate(cfg_for(tmp_path, data, *own[:-1], "--regenerate.self_prompt_max_tokens=40"))
+    # the CUDA path (eyas's BatchDecoder, here eagerly; its own max_new) samples the same turns
+    from eyas.regenerate import HFBackend, sample_self_prompts
+
+    cfg = cfg_for(tmp_path, data, *own, "--regenerate.static_widths=[32]")
+    backend = HFBackend(cfg, tok)
+    backend.static = True
+    assert sample_self_prompts(backend, tok, cfg.regenerate)["prompts"] == [user]
+    assert backend.generate([prefix], None)[0].new_tokens <= NEW  # the answers' settings again: a new decoder
+
+
+def test_sampled_self_prompts_are_counted_and_answered(tmp_path, data, target):
+    model, tok = target
+    s = regenerate(cfg_for(tmp_path, data, "--prepare.max_conversations=1", "--regenerate.self_prompts=6",
+                           "--regenerate.self_prompt_max_tokens=24", "--regenerate.batch_size=4"))
+    c = s["self_prompts"]
+    assert c["sampled"] == 6 and c["kept"] + c["unfinished"] + c["empty"] + c["duplicate"] == 6
+    assert c["kept"] >= 2  # seeded (the run's seed): the same samples every time
+    made = json.loads((tmp_path / "regenerate" / "self_prompts.json").read_text())
+    assert len(made["prompts"]) == c["kept"] == s["self_written"] and len(set(made["prompts"])) == c["kept"]
+    recs = read(tmp_path / "regenerate" / "conversations.jsonl")[1:]
+    assert [r["messages"][0]["content"] for r in recs] == made["prompts"]
+    for r in recs:  # each finished in at most 24 tokens, and answered greedily as the reference does
+        assert 0 < len(tok(r["messages"][0]["content"])["input_ids"]) <= 24
+        assert r["messages"][1]["content"] == greedy_reply(model, tok, r["messages"][:1], NEW)[0]
+
+
+def test_self_prompts_need_the_hf_backend():
+    with pytest.raises(EyasError, match="needs regenerate.backend=hf"):
+        load_config(None, ["--regenerate.backend=server", "--regenerate.self_prompts=4"])
+
+
 def test_resume_reads_records_with_unicode_line_separators(tmp_path):
     """Generated text may hold U+2028 / U+0085 (json.dumps keeps them with ensure_ascii=False);
     they are not line breaks of the JSONL file."""

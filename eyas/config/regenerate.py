@@ -60,6 +60,19 @@ class RegenerateConfig:
     """Output directory; empty = RUN_DIR/regenerate."""
     extra_body: dict = field(default_factory=dict)
     """server backend: extra fields merged into every request body."""
+    self_prompts: int = 0
+    """Also write single-turn conversations whose user turn the target writes itself: this many
+    samples from the chat template's text before a user message's content (the Magpie method,
+    Xu et al. 2024), each answered like the data's turns. Prompts of the target's own kind where
+    the data has few short, self-contained requests. Samples that do not end within
+    self_prompt_max_tokens, are empty or repeat an earlier one are dropped (counted in meta.json).
+    hf backend only."""
+    self_prompt_temperature: float = 1.0
+    """Sampling temperature of the self-written user turns (0 = greedy: one distinct prompt)."""
+    self_prompt_top_p: float = 0.95
+    """Nucleus mass of the self-written user turns."""
+    self_prompt_max_tokens: int = 256
+    """Most tokens of a self-written user turn."""
 
     def __post_init__(self) -> None:
         require(self.backend in BACKENDS, f"regenerate.backend={self.backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -74,3 +87,11 @@ class RegenerateConfig:
         require(self.concurrency >= 1, f"regenerate.concurrency={self.concurrency} must be >= 1")
         require(self.retries >= 0, f"regenerate.retries={self.retries} must be >= 0")
         require(self.max_prompt_tokens >= 8, f"regenerate.max_prompt_tokens={self.max_prompt_tokens} is too small")
+        require(self.self_prompts >= 0, f"regenerate.self_prompts={self.self_prompts} must be >= 0 (0 = none)")
+        require(self.self_prompts == 0 or self.backend == "hf",
+                f"regenerate.self_prompts={self.self_prompts} needs regenerate.backend=hf (the target samples "
+                "from its own chat template's text, which a chat-completions server does not take)")
+        require(self.self_prompt_temperature >= 0,
+                f"regenerate.self_prompt_temperature={self.self_prompt_temperature} must be >= 0")
+        require(0 < self.self_prompt_top_p <= 1, f"regenerate.self_prompt_top_p={self.self_prompt_top_p} must lie in (0, 1]")
+        require(self.self_prompt_max_tokens >= 1, f"regenerate.self_prompt_max_tokens={self.self_prompt_max_tokens} must be >= 1")
