@@ -213,7 +213,7 @@ train)
         --stop_after=export --accept_partial=regenerate
     cp $RUN/train/metrics.jsonl "$OUT/train_metrics.jsonl"
     cp $RUN/train/meta.json "$OUT/train_meta.json"
-    xdir=$(overrides | grep -o -- "--extract.out_dir=[^ ]*" | cut -d= -f2 || true)  # where place_states put them
+    xdir=$(overrides | grep -o -- "--extract.out_dir=[^ ]*" | tail -n1 | cut -d= -f2- || true)  # where place_states put them
     xdir=${xdir:-$RUN/extract}
     [[ -f $xdir/meta.json ]] && cp "$xdir/meta.json" "$OUT/extract_meta.json"  # none when online
     cp $RUN/export/sglang/config.json "$OUT/export_sglang_config.json"

@@ -19,7 +19,7 @@ user turns from its chat template's text before a user message's content (`pre_q
 distinct finished ones are stored in `self_prompts.json` (read back on a resume) and answered in
 the same chunks after the data's conversations, with source indices -1, -2, ...
 
-Backends share one interface: `generate(prompts: list[list[dict]]) -> list[Answer]`.
+Backends: `HFBackend.generate(token prompts, sampling) -> list[Answer]`, `ServerBackend.generate_messages(chats, ids)`.
   hf      prompts sorted by length, left-padded, batched. On CUDA (`static_cache`, default): eyas's
           BatchDecoder (eyas/spec/static.py): fixed-size KV buffers and the decode step of all rows
           as one CUDA graph (captured in a forward's time, no compilation), rows filled up to a
@@ -287,32 +287,47 @@ SELF_PROMPTS = "self_prompts.json"
 _SENTINEL = "\u2063eyas user turn\u2063"
 
 
-def pre_query_ids(tok) -> list[int]:
-    """Token ids of the chat template's text before a first user message's content (with the
-    system prompt the template adds by itself, if any): what the target continues to write a user
-    turn. Checked against the template's own tokens of a real conversation, so a template whose
-    text does not tokenize the same cut there fails here, not in the samples."""
-    text = tok.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False)
+def _head(system: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}] if system else []
+
+
+def pre_query_ids(tok, eos: list[int], system: str = "") -> list[int]:
+    """Token ids of the chat template's text before a first user message's content (after
+    `system`, else the system prompt the template adds by itself, if any): what the target
+    continues to write a user turn. Checked against the template's own tokens of a real
+    conversation (a template whose text does not tokenize the same cut there fails here, not in the
+    samples), and the user turn must end with one of the `eos` ids the target stops at."""
+    text = tok.apply_chat_template(_head(system) + [{"role": "user", "content": _SENTINEL}], tokenize=False)
     if not isinstance(text, str) or text.count(_SENTINEL) != 1:
         raise EyasError("regenerate.self_prompts: the chat template does not place a user message's content "
                         "verbatim once, so there is no text before it to sample a user turn from")
-    ids = list(tok(text[: text.index(_SENTINEL)], add_special_tokens=False)["input_ids"])
-    real = list(tok.apply_chat_template([{"role": "user", "content": "Hello there."}], tokenize=True, return_dict=False))
+    before, after = text.split(_SENTINEL)
+    ids = list(tok(before, add_special_tokens=False)["input_ids"])
+    real = list(tok.apply_chat_template(_head(system) + [{"role": "user", "content": "Hello there."}], tokenize=True,
+                                        return_dict=False))
     if not ids or real[: len(ids)] != ids:
         raise EyasError(f"regenerate.self_prompts: the chat template's text before the user's content tokenizes as "
                         f"{ids[:16]}..., not as the start of a templated conversation {real[:16]}...")
+    end = list(tok(after, add_special_tokens=False)["input_ids"])[:1]
+    if not end or end[0] not in eos:
+        raise EyasError(f"regenerate.self_prompts: this chat template ends a user turn with {tok.decode(end)!r}, not "
+                        f"with a token the target stops at ({tok.convert_ids_to_tokens(eos)}): a sampled user turn "
+                        "would run on into its answer; leave regenerate.self_prompts at 0 for this target")
     return ids
 
 
-def self_prompt_settings(rc) -> dict[str, Any]:
+def self_prompt_settings(cfg: EyasConfig) -> dict[str, Any]:
+    rc = cfg.regenerate
     return {"samples": rc.self_prompts, "temperature": rc.self_prompt_temperature, "top_p": rc.self_prompt_top_p,
-            "max_tokens": rc.self_prompt_max_tokens}
+            "max_tokens": rc.self_prompt_max_tokens, "system_prompt": cfg.prepare.system_prompt, "seed": cfg.seed}
 
 
-def sample_self_prompts(backend: HFBackend, tok, rc) -> dict[str, Any]:
+def sample_self_prompts(backend: HFBackend, tok, cfg: EyasConfig) -> dict[str, Any]:
     """rc.self_prompts user turns sampled by the target from pre_query_ids; the distinct finished
-    ones kept, in order, with counts of what was dropped."""
-    answers = backend.generate([pre_query_ids(tok)] * rc.self_prompts,
+    ones kept, in order, with counts of what was dropped (none kept is an error)."""
+    rc = cfg.regenerate
+    prefix = pre_query_ids(tok, backend.eos, cfg.prepare.system_prompt)
+    answers = backend.generate([prefix] * rc.self_prompts,
                                Sampling(rc.self_prompt_temperature, rc.self_prompt_top_p, rc.self_prompt_max_tokens))
     kept: list[str] = []
     seen: set[str] = set()
@@ -328,28 +343,54 @@ def sample_self_prompts(backend: HFBackend, tok, rc) -> dict[str, Any]:
             seen.add(a.text)
             kept.append(a.text)
     counts["kept"] = len(kept)
-    return {"settings": self_prompt_settings(rc), "counts": dict(counts), "prompts": kept}
+    if not kept:
+        raise EyasError(f"regenerate.self_prompts: none of the {len(answers)} sampled user turns was kept "
+                        f"({dict(counts)}): raise regenerate.self_prompt_max_tokens or the number of samples")
+    return {"settings": self_prompt_settings(cfg), "counts": dict(counts), "prompts": kept}
 
 
-def self_conversations(path: Path, backend, tok, rc) -> tuple[list[Conversation], dict[str, Any]]:
-    """The self-written single-turn conversations, sampled once into `path` and read back on a
-    resume (indices -1, -2, ...: apart from the data's); a file sampled with other settings is an error."""
-    if path.exists():
+def read_self_prompts(path: Path, cfg: EyasConfig, done: set[int]) -> dict[str, Any] | None:
+    """The self-written user turns sampled by an earlier run (None: sample them); checked before
+    the model loads: other settings, or self-written answers without their prompts, are errors."""
+    fix = f"remove it and {path.parent / OUTPUT} (or restore the settings)"
+    if not path.exists():
+        if any(i < 0 for i in done):
+            raise EyasError(f"regenerate: {path.parent / OUTPUT} holds answers to self-written user turns but "
+                            f"{path} is gone: remove {path.parent / OUTPUT} too (new samples would not match them)")
+        return None
+    try:
         made = json.loads(path.read_text())
-        if made["settings"] != self_prompt_settings(rc):
-            raise EyasError(f"regenerate: {path} was sampled with {made['settings']}, not the configured "
-                            f"{self_prompt_settings(rc)}: remove it and {path.parent / OUTPUT} (or restore the settings)")
+        settings, prompts, counts = made["settings"], made["prompts"], made["counts"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise EyasError(f"regenerate: {path} is not a self_prompts file ({type(e).__name__}: {exception_message(e)}): {fix}") from e
+    if settings != self_prompt_settings(cfg):
+        raise EyasError(f"regenerate: {path} was sampled with {settings}, not the configured {self_prompt_settings(cfg)}: {fix}")
+    return {"settings": settings, "counts": counts, "prompts": prompts}
+
+
+def self_conversations(path: Path, made: dict[str, Any] | None, backend, tok, cfg: EyasConfig) -> tuple[list[Conversation], dict[str, Any]]:
+    """The self-written single-turn conversations: `made` (read back by read_self_prompts), else
+    sampled now and stored in `path`; indices -1, -2, ...: apart from the data's."""
+    if made is not None:
         print(f"[eyas:regenerate] self-written user turns: {len(made['prompts'])} read from {path}", flush=True)
     else:
         t0 = time.perf_counter()
-        made = sample_self_prompts(backend, tok, rc)
+        made = sample_self_prompts(backend, tok, cfg)
         artifacts.atomic_write_text(path, json.dumps(made, ensure_ascii=False))
         c = made["counts"]
         print(f"[eyas:regenerate] self-written user turns: {c['kept']} kept of {c['sampled']} sampled "
               f"({c['unfinished']} unfinished, {c['empty']} empty, {c['duplicate']} repeated) in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)
-    convs = [Conversation(f"self-{k}", [{"role": "user", "content": text}], -1 - k) for k, text in enumerate(made["prompts"])]
+    head = _head(cfg.prepare.system_prompt)
+    convs = [Conversation(f"self-{k}", head + [{"role": "user", "content": text}], -1 - k)
+             for k, text in enumerate(made["prompts"])]
     return convs, made["counts"]
+
+
+def out_of_time(elapsed: float, per_batch: float, conversations: int, rc) -> bool:
+    """Whether the next chunk, of this many conversations, would overrun regenerate.max_seconds:
+    planned as the slowest chunk's seconds per batch so far times the batches it fills."""
+    return bool(rc.max_seconds) and elapsed + per_batch * batches(conversations, rc.batch_size) > rc.max_seconds
 
 
 def batches(conversations: int, batch_size: int) -> int:
@@ -398,21 +439,22 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     convs, load_counts = load_conversations(pc.data, pc.format, pc.max_conversations, pc.system_prompt)
     path = out / OUTPUT
     done = read_done(path)
+    made = read_self_prompts(out / SELF_PROMPTS, cfg, done) if rc.self_prompts else None
     backend = ServerBackend(cfg) if rc.backend == "server" else HFBackend(cfg, tok)
+    t0 = time.perf_counter()  # the budget counts sampling self-written user turns too
     own: list[Conversation] = []
     self_counts: dict[str, Any] = {}
     if rc.self_prompts:  # after the data's conversations, in the same chunks
-        own, self_counts = self_conversations(out / SELF_PROMPTS, backend, tok, rc)
+        own, self_counts = self_conversations(out / SELF_PROMPTS, made, backend, tok, cfg)
     todo = [c for c in convs + own if c.index not in done]
     if done:
         print(f"[eyas:regenerate] resuming: {len(done)} conversations already done, {len(todo)} to go", flush=True)
     counts: Counter = Counter()
-    t0 = time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", dynamic_ncols=True)
     per_batch, skipped = 0.0, 0
     for b in range(0, len(todo), rc.chunk_conversations):
-        ahead = per_batch * batches(len(todo[b : b + rc.chunk_conversations]), rc.batch_size)
-        if b and rc.max_seconds and time.perf_counter() - t0 + ahead > rc.max_seconds:  # a run always makes progress
+        ahead = len(todo[b : b + rc.chunk_conversations])
+        if b and out_of_time(time.perf_counter() - t0, per_batch, ahead, rc):  # a run always makes progress
             skipped = len(todo) - b
             print(f"\n[eyas:regenerate] regenerate.max_seconds={rc.max_seconds:g} reached: {skipped} conversations "
                   "left for a later run", flush=True)

@@ -12,7 +12,7 @@ import torch
 from eyas.cli import main as cli
 from eyas.config import load_config
 from eyas.errors import EyasError
-from eyas.regenerate import batches, main as regenerate
+from eyas.regenerate import batches, main as regenerate, out_of_time
 from regenerate_helpers import ChatServer, greedy_reply
 
 CONVS = [
@@ -88,8 +88,11 @@ def test_hf_backend_equals_batch1_greedy_and_resumes(tmp_path, data, target):
 def test_time_budget_plans_a_short_last_chunk_at_its_own_cost():
     # session 9: a chunk of 4,096 conversations (4 batches of 1,024 rows) took 102.7 s; the 1,397
     # left fill 2 batches, ~51 s, which fit a 200 s budget (planned at the whole chunk's 102.7 s, they did not)
+    rc = load_config(None, ["--regenerate.batch_size=1024", "--regenerate.max_seconds=200"]).regenerate
     per_batch = 102.7 / batches(4096, 1024)
-    assert per_batch * batches(1397, 1024) == pytest.approx(51.35)
+    assert not out_of_time(102.7, per_batch, 1397, rc)
+    assert out_of_time(102.7, per_batch, 4096, rc) and out_of_time(150.0, per_batch, 1397, rc)
+    assert not out_of_time(1e9, per_batch, 4096, load_config(None, []).regenerate)  # no budget
     assert (batches(1, 1024), batches(1024, 1024), batches(1025, 1024)) == (1, 1, 2)
 
 
@@ -121,8 +124,10 @@ def test_greedy_self_prompts_equal_a_plain_generate_and_resume(tmp_path, data, t
     from eyas.regenerate import pre_query_ids
 
     model, tok = target
-    prefix = pre_query_ids(tok)
+    prefix = pre_query_ids(tok, [tok.eos_token_id])
     assert tok.decode(prefix) == SMOL_PRE_QUERY
+    assert tok.decode(pre_query_ids(tok, [tok.eos_token_id], "Be brief.")) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
     with torch.inference_mode():  # the independent reference: HF generate from the literal text
         x = tok(SMOL_PRE_QUERY, return_tensors="pt", add_special_tokens=False)["input_ids"]
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False,
@@ -151,8 +156,27 @@ def test_greedy_self_prompts_equal_a_plain_generate_and_resume(tmp_path, data, t
     cfg = cfg_for(tmp_path, data, *own, "--regenerate.static_widths=[32]")
     backend = HFBackend(cfg, tok)
     backend.static = True
-    assert sample_self_prompts(backend, tok, cfg.regenerate)["prompts"] == [user]
+    assert sample_self_prompts(backend, tok, cfg)["prompts"] == [user]
     assert backend.generate([prefix], None)[0].new_tokens <= NEW  # the answers' settings again: a new decoder
+    # answers to self-written turns whose file is gone: loud (new samples would not match them)
+    (tmp_path / "regenerate" / "self_prompts.json").unlink()
+    with pytest.raises(EyasError, match="is gone: remove"):
+        regenerate(cfg_for(tmp_path, data, *own))
+
+
+def test_self_prompts_refuse_a_template_whose_user_turn_does_not_end_at_a_stop_token(target):
+    import copy
+
+    from eyas.regenerate import pre_query_ids
+
+    _, tok = target
+    inst = copy.deepcopy(tok)  # a Mistral-like template: the user turn ends with [/INST] (not a special token here)
+    inst.chat_template = "{% for m in messages %}{% if m['role'] == 'user' %}[INST]\n{{ m['content'] }}[/INST]{% endif %}{% endfor %}"
+    with pytest.raises(EyasError, match="ends a user turn with '\\[/INST\\]|ends a user turn with '\\['"):
+        pre_query_ids(inst, [tok.eos_token_id])
+    inst.chat_template = "[INST] {{ messages[0]['content'] }}[/INST]"  # the text before cuts a token: caught too
+    with pytest.raises(EyasError, match="not as the start of a templated conversation"):
+        pre_query_ids(inst, [tok.eos_token_id])
 
 
 def test_sampled_self_prompts_are_counted_and_answered(tmp_path, data, target):
@@ -164,11 +188,36 @@ def test_sampled_self_prompts_are_counted_and_answered(tmp_path, data, target):
     assert c["kept"] >= 2  # seeded (the run's seed): the same samples every time
     made = json.loads((tmp_path / "regenerate" / "self_prompts.json").read_text())
     assert len(made["prompts"]) == c["kept"] == s["self_written"] and len(set(made["prompts"])) == c["kept"]
-    recs = read(tmp_path / "regenerate" / "conversations.jsonl")[1:]
+    path = tmp_path / "regenerate" / "conversations.jsonl"
+    recs = read(path)[1:]
     assert [r["messages"][0]["content"] for r in recs] == made["prompts"]
     for r in recs:  # each finished in at most 24 tokens, and answered greedily as the reference does
         assert 0 < len(tok(r["messages"][0]["content"])["input_ids"]) <= 24
         assert r["messages"][1]["content"] == greedy_reply(model, tok, r["messages"][:1], NEW)[0]
+    # a resume answers the stored turns, not new samples: the last one, dropped, comes back as it was
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:-1]))
+    s = regenerate(cfg_for(tmp_path, data, "--prepare.max_conversations=1", "--regenerate.self_prompts=6",
+                           "--regenerate.self_prompt_max_tokens=24", "--regenerate.batch_size=4"))
+    assert s["regenerated_now"] == 1 and read(path)[1:] == recs
+
+
+def test_sampled_self_prompts_on_the_cuda_decoder_path(tmp_path, data, target):
+    """eyas's BatchDecoder (here eagerly) samples the user turns with their own settings and then
+    answers greedily with the answers' settings."""
+    from eyas.regenerate import HFBackend, sample_self_prompts
+
+    model, tok = target
+    cfg = cfg_for(tmp_path, data, "--regenerate.self_prompts=8", "--regenerate.self_prompt_max_tokens=24",
+                  "--regenerate.batch_size=8", "--regenerate.static_widths=[32,64]")
+    backend = HFBackend(cfg, tok)
+    backend.static = True
+    made = sample_self_prompts(backend, tok, cfg)
+    assert made["counts"]["sampled"] == 8 and len(made["prompts"]) >= 2  # sampled: distinct turns
+    asked = [[{"role": "user", "content": p}] for p in made["prompts"]]
+    ids = [tok.apply_chat_template(a, add_generation_prompt=True, tokenize=True, return_dict=False) for a in asked]
+    for a, answer in zip(asked, backend.generate(ids)):
+        assert answer.text == greedy_reply(model, tok, a, NEW)[0]
 
 
 def test_self_prompts_need_the_hf_backend():

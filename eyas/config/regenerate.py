@@ -37,7 +37,8 @@ class RegenerateConfig:
     max_seconds: float = 0.0
     """Wall-clock budget (0 = none): after the first chunk, no new chunk is started when the time
     used plus its planned time would exceed it (the slowest chunk so far per batch of batch_size
-    rows, times the batches the next chunk fills: a short last chunk is planned at its own cost). What was written stays (the count is reported and recorded in
+    rows, times the batches the next chunk fills: a short last chunk is planned at its own cost;
+    sampling self_prompts counts too). What was written stays (the count is reported and recorded in
     meta.json as `stopped_early`); a later run with a larger budget continues from there."""
     chunk_conversations: int = 256
     """Conversations regenerated (all their turns) and then written together; the resume unit."""
@@ -66,7 +67,8 @@ class RegenerateConfig:
     Xu et al. 2024), each answered like the data's turns. Prompts of the target's own kind where
     the data has few short, self-contained requests. Samples that do not end within
     self_prompt_max_tokens, are empty or repeat an earlier one are dropped (counted in meta.json).
-    hf backend only."""
+    With prepare.system_prompt they are sampled and answered after it. hf backend only; the chat
+    template's user turn must end with a token the target stops at (ChatML, Llama 3 do)."""
     self_prompt_temperature: float = 1.0
     """Sampling temperature of the self-written user turns (0 = greedy: one distinct prompt)."""
     self_prompt_top_p: float = 0.95
