@@ -143,7 +143,8 @@ def main() -> None:
         ids_S = out[0]
         score(bench_tally, draft, target, ids_S, prompt.shape[1], ids_S.shape[0], a.steps)
 
-    for title, tally in (("held-out ShareGPT, first answers", held_tally), ("MT-bench, first turns", bench_tally)):
+    bench_title = f"{Path(a.bench).name} (--bench), first turns"  # MT-bench's question.jsonl, or bench/self_prompts.py's
+    for title, tally in (("held-out ShareGPT, first answers", held_tally), (bench_title, bench_tally)):
         print(title)
         for name in ["all", *(f"pos {x}-{y if y < 1 << 30 else ''}" for x, y in BUCKETS), "repeat", "no repeat"]:
             print(tally.line(name))
