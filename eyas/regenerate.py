@@ -433,13 +433,14 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     rc, pc = cfg.regenerate, cfg.prepare
     out = cfg.stage_dir("regenerate")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)  # incomplete until this run finishes
-    artifacts.atomic_write_text(out / "config.yaml", dump_config(cfg))
     tok = load_tokenizer(cfg.target)
     convs, load_counts = load_conversations(pc.data, pc.format, pc.max_conversations, pc.system_prompt)
     path = out / OUTPUT
     done = read_done(path)
     made = read_self_prompts(out / SELF_PROMPTS, cfg, done) if rc.self_prompts else None
+    # checked what is cheap: from here the output is incomplete until this run finishes
+    (out / "meta.json").unlink(missing_ok=True)
+    artifacts.atomic_write_text(out / "config.yaml", dump_config(cfg))
     backend = ServerBackend(cfg) if rc.backend == "server" else HFBackend(cfg, tok)
     t0 = time.perf_counter()  # the budget counts sampling self-written user turns too
     own: list[Conversation] = []

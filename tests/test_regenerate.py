@@ -150,6 +150,7 @@ def test_greedy_self_prompts_equal_a_plain_generate_and_resume(tmp_path, data, t
     # other sampling settings than the file's: loud, naming what to remove
     with pytest.raises(EyasError, match="was sampled with .*remove it"):
         regenerate(cfg_for(tmp_path, data, *own[:-1], "--regenerate.self_prompt_max_tokens=40"))
+    assert json.loads((tmp_path / "regenerate" / "meta.json").read_text())["complete"]  # refused before any change
     # the CUDA path (eyas's BatchDecoder, here eagerly; its own max_new) samples the same turns
     from eyas.regenerate import HFBackend, sample_self_prompts
 
