@@ -360,12 +360,12 @@ def read_self_prompts(path: Path, cfg: EyasConfig, done: set[int]) -> dict[str, 
         return None
     try:
         made = json.loads(path.read_text())
-        settings, prompts, counts = made["settings"], made["prompts"], made["counts"]
+        settings, _, _ = made["settings"], made["prompts"], made["counts"]
     except (ValueError, KeyError, TypeError) as e:
         raise EyasError(f"regenerate: {path} is not a self_prompts file ({type(e).__name__}: {exception_message(e)}): {fix}") from e
     if settings != self_prompt_settings(cfg):
         raise EyasError(f"regenerate: {path} was sampled with {settings}, not the configured {self_prompt_settings(cfg)}: {fix}")
-    return {"settings": settings, "counts": counts, "prompts": prompts}
+    return made
 
 
 def self_conversations(path: Path, made: dict[str, Any] | None, backend, tok, cfg: EyasConfig) -> tuple[list[Conversation], dict[str, Any]]:
