@@ -85,6 +85,26 @@ def test_loss_on_a_hand_built_example():
     loss = weighted_loss(loss_sum, torch.tensor([4, 1]), torch.tensor([1.0, 0.8]))
     assert loss.item() == pytest.approx(want0 / 4 + 0.8 * want1, rel=1e-6)
 
+    # train.top1_weight w: (1 - w) x the soft cross-entropy + w x -log softmax(z)[teacher top-1]
+    def nll(z, k):
+        return math.log(sum(math.exp(x) for x in z)) - z[k]
+
+    for w in (0.25, 1.0):
+        l0, l1 = torch.tensor(z0, requires_grad=True), torch.tensor(z1, requires_grad=True)
+        mixed, correct, valid = step_terms([l0, l1], p, top1, [torch.tensor([0, 1, 2]), torch.tensor([2])], top1_weight=w)
+        hard0 = nll(z0[0], 0) + nll(z0[2], 2)  # top-1 draft ids of rows 0 and 2; row 1 still not valid
+        hard1 = nll(z1[0], 2)
+        torch.testing.assert_close(mixed.detach(), torch.tensor([(1 - w) * want0 + w * hard0, (1 - w) * want1 + w * hard1]))
+        assert correct.tolist() == [2, 0] and valid.tolist() == [2, 1]
+        # d/dz of each valid row: (1 - w)(softmax(z) - teacher) + w(softmax(z) - onehot(top-1)); row 1: 0
+        mixed.sum().backward()
+        def grad(z, row, k):
+            q = torch.tensor(softmax(z))
+            return (1 - w) * (q - torch.tensor(teacher[row])) + w * (q - torch.eye(3)[k])
+
+        torch.testing.assert_close(l0.grad, torch.stack([grad(z0[0], 0, 0), torch.zeros(3), grad(z0[2], 2, 2)]))
+        torch.testing.assert_close(l1.grad, grad(z1[0], 2, 2)[None])
+
 
 def test_acceptance_length():
     assert acceptance_length([0.8, 0.5, 0.25]) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
@@ -97,6 +117,8 @@ def test_config_errors_name_the_flag(tmp_path):
         train_config(tmp_path, "--train.ttt_steps=0")
     with pytest.raises(ConfigError, match="train.betas"):
         train_config(tmp_path, "--train.betas=[0.9]")
+    with pytest.raises(ConfigError, match=r"train.top1_weight=1.5 must lie in \[0, 1\]"):
+        train_config(tmp_path, "--train.top1_weight=1.5")
     with pytest.raises(ConfigError, match="did you mean 'train.max_tokens'"):
         train_config(tmp_path, "--train.max_token=5")
 
@@ -210,6 +232,40 @@ def test_offline_equals_online_for_one_step(tmp_path, smol_prep, tiny_target):
         torch.testing.assert_close(out_on[key], out_off[key], rtol=1e-5, atol=1e-5)
     assert torch.equal(out_on["correct_T"], out_off["correct_T"])
     torch.testing.assert_close(params_on, params_off, rtol=1e-5, atol=1e-6)
+
+
+def test_top1_weight_trains_on_the_teachers_top1(tmp_path, smol_prep, tiny_target):
+    """--train.top1_weight=1: the first step's loss per TTT step is the negative log-probability of
+    the target's own top-1 (its lm_head on the final states, argmax over all V), from the draft's
+    logits before the update, summed over loss-mask positions whose top-1 is in the draft vocab;
+    the held-out evaluation reads the same."""
+    from eyas.train.loop import Schedule, evaluate, micro_batches, train_step
+
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.top1_weight=1")
+    data = build.load_data(cfg, torch.device("cpu"))
+    train_idx, _ = build.splits(cfg, data)
+    sched = Schedule(cfg.train, train_idx, data.lengths, cfg.seed, 0, 1)
+    tr, _ = build.build_trainer(cfg, data, torch.device("cpu"), total_steps=sched.total)
+    step, _, batches = next(micro_batches(tr, sched, data.source, 0, 0, 0))
+    b = tr.prepare(batches[0])
+    with torch.no_grad():
+        logits_T = tr.forward(b)
+        final_ND = b.final_BSD.flatten(0, 1)[b.teacher_rows_N]
+        # draft ids are the kept target ids in order: a kept token's draft id counts the kept ones before it
+        top1_N = (data.t2d.long().cumsum(0) - 1).where(data.t2d, -1)[(final_ND @ data.lm_head_VD.T).argmax(-1)]
+    want = []
+    for logits_MW, tix_M in zip(logits_T, b.tix_T):
+        k_M = top1_N[tix_M]
+        ok = k_M >= 0
+        want.append(-torch.log_softmax(logits_MW[ok].double(), -1).gather(1, k_M[ok, None]).sum())
+    # the held-out evaluation reads the same loss: per TTT step, the sum over its valid positions
+    held = evaluate(tr, [b])
+    valid = [int((top1_N[tix_M] >= 0).sum()) for tix_M in b.tix_T]
+    assert held["valid_T"] == valid
+    assert held["loss_T"] == pytest.approx([float(x) / v for x, v in zip(want, valid)], rel=1e-5)
+    out = train_step(tr, [b], step)
+    assert out["valid_T"].sum() > 50
+    torch.testing.assert_close(out["loss_sum_T"].double(), torch.stack(want), rtol=1e-5, atol=1e-4)
 
 
 def test_online_states_of_right_padded_rows_equal_plain_forwards(smol_prep, tiny_target):

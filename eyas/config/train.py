@@ -19,6 +19,12 @@ class TrainConfig:
     """Training-time-test steps: how many tokens ahead the draft is unrolled on its own outputs."""
     step_weight: float = 0.8
     """Loss weight of TTT step i is step_weight**i (the EAGLE-3 reference uses 0.8)."""
+    top1_weight: float = 0.0
+    """Share of each position's loss on the target's top-1 token alone: (1 - w) x the soft
+    cross-entropy against the teacher distribution (the EAGLE-3 reference's, w = 0) + w x the
+    cross-entropy against its top-1. Greedy serving accepts a draft token exactly when it is that
+    top-1; sampled serving accepts by the whole distribution. The logged train and held-out losses
+    are this mixed loss: compare accuracies, not losses, across values of w."""
     lr: float = 1e-4
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.0
@@ -117,6 +123,7 @@ class TrainConfig:
         require(self.mode in MODES, f"train.mode={self.mode!r}: choose one of {', '.join(MODES)}")
         require(self.ttt_steps >= 1, f"train.ttt_steps={self.ttt_steps} must be >= 1")
         require(self.step_weight > 0, f"train.step_weight={self.step_weight} must be > 0")
+        require(0.0 <= self.top1_weight <= 1.0, f"train.top1_weight={self.top1_weight} must lie in [0, 1]")
         require(self.lr > 0, f"train.lr={self.lr} must be > 0")
         require(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
         require(0.0 <= self.warmup_ratio < 1.0, f"train.warmup_ratio={self.warmup_ratio} must lie in [0, 1)")

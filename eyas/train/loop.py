@@ -115,7 +115,7 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
             p_NW = tr.teacher(b)[0]
         with no_sync(tr.model, sync=j == len(batches) - 1):
             logits_T = tr.forward(b)
-            ls_T, cor_T, _ = step_terms(logits_T, p_NW, top1_N, b.tix_T)
+            ls_T, cor_T, _ = step_terms(logits_T, p_NW, top1_N, b.tix_T, tr.tc.top1_weight)
             # x world_size: DDP / FSDP average gradients over ranks, the global normaliser is a sum
             loss = weighted_loss(ls_T, global_valid_T, tr.weights_T) * tr.world_size
             loss.backward()
@@ -177,7 +177,7 @@ def evaluate(tr: Trainer, loader, max_batches: int = 0) -> dict[str, Any]:
             break
         b = tr.prepare(b)
         p_NW, top1_N = tr.teacher(b)
-        ls_T, cor_T, val_T = step_terms(tr.forward(b), p_NW, top1_N, b.tix_T)
+        ls_T, cor_T, val_T = step_terms(tr.forward(b), p_NW, top1_N, b.tix_T, tr.tc.top1_weight)
         sums["loss_sum_T"] += ls_T
         sums["correct_T"] += cor_T
         sums["valid_T"] += val_T

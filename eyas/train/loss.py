@@ -9,9 +9,11 @@ decides whether the position counts (top-1 inside the draft vocab); the logits o
 tokens, softmaxed, are the target distribution over the draft vocab.
 
 Loss of TTT step i: soft cross-entropy (forward KL up to the teacher's entropy) of the draft's
-W-way distribution against the teacher, summed over valid positions (loss mask 1 and teacher
-top-1 in the draft vocab), divided by the global number of valid positions of step i (all
-micro-batches of the optimizer step, all ranks), weighted by step_weight**i and summed over i.
+W-way distribution against the teacher, mixed with the cross-entropy against the teacher's top-1
+by train.top1_weight w ((1 - w) x soft + w x top-1; w = 0: soft only), summed over valid positions
+(loss mask 1 and teacher top-1 in the draft vocab), divided by the global number of valid positions
+of step i (all micro-batches of the optimizer step, all ranks), weighted by step_weight**i and
+summed over i.
 
 Accuracy of step i: positions where the draft's top-1 is the teacher's top-1, over all positions
 with loss mask 1 (a teacher top-1 outside the draft vocab is a miss the draft cannot avoid).
@@ -47,17 +49,28 @@ def teacher_targets(
 
 
 def step_terms(
-    logits_T: list[torch.Tensor], p_NW: torch.Tensor, top1_N: torch.Tensor, tix_T: list[torch.Tensor]
+    logits_T: list[torch.Tensor],
+    p_NW: torch.Tensor,
+    top1_N: torch.Tensor,
+    tix_T: list[torch.Tensor],
+    top1_weight: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per TTT step over this micro-batch -> (loss_sum_T with grad, num_correct_T, num_valid_T).
 
-    logits_T[i]: draft logits [M, W] of step i's selected rows; tix_T[i]: their teacher rows.
+    logits_T[i]: draft logits [M, W] of step i's selected rows; tix_T[i]: their teacher rows;
+    top1_weight: the top-1 cross-entropy's share of each position's loss (train.top1_weight).
     """
     loss_sums, correct, valid = [], [], []
     for logits_MW, tix_M in zip(logits_T, tix_T):
         p_MW, top1_M = p_NW[tix_M], top1_N[tix_M]
         ok_M = top1_M >= 0
-        ce_M = F.cross_entropy(logits_MW.float(), p_MW, reduction="none")
+        if top1_weight == 0.0:
+            ce_M = F.cross_entropy(logits_MW.float(), p_MW, reduction="none")
+        else:  # one log-softmax for both terms; an invalid row's top-1 (-1) reads column 0, masked below
+            logp_MW = torch.log_softmax(logits_MW.float(), dim=-1)
+            ce_M = -top1_weight * logp_MW.gather(1, top1_M.clamp(min=0)[:, None])[:, 0]
+            if top1_weight < 1.0:
+                ce_M = ce_M - (1.0 - top1_weight) * (p_MW * logp_MW).sum(-1)
         loss_sums.append(torch.where(ok_M, ce_M, 0.0).sum())
         correct.append((logits_MW.detach().argmax(-1) == top1_M).sum())  # top1 -1 never matches
         valid.append(ok_M.sum())
