@@ -11,8 +11,12 @@ from its output with the defaults (eval_fraction 0.02, seed 0) over all of prepa
 an online run splits them (an offline run splits the samples its extract output holds). For each held-out sample the first
 assistant answer is scored; for each MT-bench question (first turn) the target answers greedily
 (`--new` tokens), and that answer is scored. "Repeat" marks a label whose preceding 8 tokens
-already occurred earlier in the same answer (a loop). Prints acc of TTT step 0 (and tau_hat over
-all steps) per position bucket and per repeat/non-repeat label.
+already occurred earlier in the same answer (a loop); "p_top1" buckets a label by the target's
+largest next-token probability at the row that predicts it (how sure the target was there; for the
+target's own greedy answers that is the label's probability, for held-out answers regenerated in
+bf16 on the GPU nearly always).
+Prints acc of TTT step 0 (and tau_hat over all steps) per position bucket, per repeat/non-repeat
+label and per p_top1 bucket.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from eyas.train.build import split_groups_of  # noqa: E402
 from eyas.train.data import split_indices  # noqa: E402
 
 BUCKETS = [(0, 32), (32, 128), (128, 256), (256, 512), (512, 1 << 30)]
+SURE = [0.0, 0.3, 0.5, 0.7, 0.9, 0.99]  # p_top1 bucket edges
 
 
 class Tally:
@@ -60,11 +65,17 @@ class Tally:
         return f"{name:>16}: {int(v[0]):>7} labels  acc0 {acc[0]:.3f}  acc{self.steps - 1} {acc[-1]:.3f}  tau_hat {tau:.2f}"
 
 
+def sure_name(lo: float, hi: float) -> str:
+    return f"p_top1 {lo:.2f}-{min(hi, 1.0):.2f}"
+
+
 def score(tally: Tally, draft, target, ids_S: torch.Tensor, start: int, end: int, steps: int) -> None:
     """Labels ids[start:end] (one answer): step i at row r predicts ids[r + 2 + i]."""
+    assert start >= 1, "an answer starts after its prompt"
     layer_ids = list(draft.config.aux_layer_ids)
     with torch.no_grad():
-        aux_1SKD, _ = capture(target, ids_S[None], layer_ids=layer_ids)
+        aux_1SKD, final_1SD = capture(target, ids_S[None], layer_ids=layer_ids)
+        top1_S = torch.softmax(target.get_output_embeddings()(final_1SD[0]).float(), -1).max(-1).values
         correct_TS = teacher_forced_steps(draft, aux_1SKD[0], ids_S, steps, first_label=start)
     seen: set[tuple[int, ...]] = set()
     answer = ids_S.tolist()
@@ -79,6 +90,9 @@ def score(tally: Tally, draft, target, ids_S: torch.Tensor, start: int, end: int
     names = {"all": torch.ones(len(j_J), dtype=torch.bool), "repeat": repeat[start:end], "no repeat": ~repeat[start:end]}
     for name in set(bucket_J):
         names[name] = torch.tensor([b == name for b in bucket_J])
+    sure_J = top1_S[j_J - 1]  # the target's largest probability at row j-1, the row predicting label j
+    for lo, hi in zip(SURE, SURE[1:] + [1.01]):
+        names[sure_name(lo, hi)] = (sure_J >= lo) & (sure_J < hi)
     for name, sel_J in names.items():
         correct_T, valid_T = torch.zeros(steps), torch.zeros(steps)
         for t in range(steps):
@@ -144,9 +158,10 @@ def main() -> None:
         score(bench_tally, draft, target, ids_S, prompt.shape[1], ids_S.shape[0], a.steps)
 
     bench_title = f"{Path(a.bench).name} (--bench), first turns"  # MT-bench's question.jsonl, or bench/self_prompts.py's
-    for title, tally in (("held-out ShareGPT, first answers", held_tally), (bench_title, bench_tally)):
+    for title, tally in (("held-out conversations, first answers", held_tally), (bench_title, bench_tally)):
         print(title)
-        for name in ["all", *(f"pos {x}-{y if y < 1 << 30 else ''}" for x, y in BUCKETS), "repeat", "no repeat"]:
+        for name in ["all", *(f"pos {x}-{y if y < 1 << 30 else ''}" for x, y in BUCKETS), "repeat", "no repeat",
+                     *(sure_name(lo, hi) for lo, hi in zip(SURE, SURE[1:] + [1.01]))]:
             print(tally.line(name))
 
 

