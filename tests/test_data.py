@@ -1,0 +1,33 @@
+"""The regenerated conversations committed under data/ are what data/README.md says they are."""
+
+import hashlib
+import json
+import lzma
+from pathlib import Path
+
+import pytest
+
+DATA = Path(__file__).parent.parent / "data"
+
+
+@pytest.mark.parametrize("name,count,self_written", [("smollm2-sharegpt-regenerated.jsonl.xz", 16813, False),
+                                                     ("smollm2-self-written-regenerated.jsonl.xz", 7436, True)])
+def test_committed_regenerated_data_is_what_data_readme_says(name, count, self_written):
+    """The sha256 and the count in the file's data/README.md section, distinct ids, every
+    assistant turn non-empty with a finish reason; the self-written ones single-turn, with ids
+    self-k and source indices -1-k."""
+    path = DATA / name
+    readme = (DATA / "README.md").read_text()
+    section = readme[readme.index(f"## {name}"):].split("\n## ")[0]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() in section
+    assert f"{count:,} conversations" in section
+    recs = [json.loads(line) for line in lzma.open(path, "rt", encoding="utf-8")]
+    assert len(recs) == count and len({r["id"] for r in recs}) == count
+    for r in recs:
+        answers = [m for m in r["messages"] if m["role"] == "assistant"]
+        assert answers and all(m["content"] for m in answers), r["id"]
+        assert len(r["finish_reasons"]) == len(answers) and set(r["finish_reasons"]) <= {"stop", "length"}, r["id"]
+        assert r["id"].startswith("self-") == self_written, r["id"]
+        if self_written:
+            k = int(r["id"].removeprefix("self-"))
+            assert r["source_index"] == -1 - k and [m["role"] for m in r["messages"]] == ["user", "assistant"]
