@@ -200,13 +200,21 @@ def tiny_cfg(run_dir, prep, target, *extra):
     )
 
 
-def first_step(cfg, data):
-    from eyas.train.loop import Schedule, micro_batches, train_step
+def first_window(cfg, data):
+    """-> (trainer, its schedule, the training split, the first optimizer step, its micro-batches)."""
+    from eyas.train.loop import Schedule, micro_batches
 
     train_idx, _ = build.splits(cfg, data)
     sched = Schedule(cfg.train, train_idx, data.lengths, cfg.seed, 0, 1)
     tr, _ = build.build_trainer(cfg, data, torch.device("cpu"), total_steps=sched.total)
     step, _, batches = next(micro_batches(tr, sched, data.source, 0, 0, 0))
+    return tr, sched, train_idx, step, batches
+
+
+def first_step(cfg, data):
+    from eyas.train.loop import train_step
+
+    tr, _, _, step, batches = first_window(cfg, data)
     out = train_step(tr, batches, step)
     return out, [b.sample_ids for b in batches], torch.cat([p.detach().flatten() for p in tr.draft.parameters()])
 
@@ -239,14 +247,11 @@ def test_top1_weight_trains_on_the_teachers_top1(tmp_path, smol_prep, tiny_targe
     the target's own top-1 (its lm_head on the final states, argmax over all V), from the draft's
     logits before the update, summed over loss-mask positions whose top-1 is in the draft vocab;
     the held-out evaluation reads the same."""
-    from eyas.train.loop import Schedule, evaluate, micro_batches, train_step
+    from eyas.train.loop import evaluate, train_step
 
     cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.top1_weight=1")
     data = build.load_data(cfg, torch.device("cpu"))
-    train_idx, _ = build.splits(cfg, data)
-    sched = Schedule(cfg.train, train_idx, data.lengths, cfg.seed, 0, 1)
-    tr, _ = build.build_trainer(cfg, data, torch.device("cpu"), total_steps=sched.total)
-    step, _, batches = next(micro_batches(tr, sched, data.source, 0, 0, 0))
+    tr, _, _, step, batches = first_window(cfg, data)
     b = tr.prepare(batches[0])
     with torch.no_grad():
         logits_T = tr.forward(b)
@@ -295,14 +300,11 @@ def test_accumulated_window_equals_one_packed_row(tmp_path, smol_prep, tiny_targ
     gradient norm and updated weights of the same samples packed into one row: attention, TTT
     shifts and teachers stay inside each sample, and both normalise by the same valid count."""
     from eyas.train.data import pack
-    from eyas.train.loop import Schedule, micro_batches, train_step
+    from eyas.train.loop import train_step
 
     cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.grad_accum=2")
     data = build.load_data(cfg, torch.device("cpu"))
-    train_idx, _ = build.splits(cfg, data)
-    sched = Schedule(cfg.train, train_idx, data.lengths, cfg.seed, 0, 1)
-    tr, _ = build.build_trainer(cfg, data, torch.device("cpu"), total_steps=sched.total)
-    step, _, batches = next(micro_batches(tr, sched, data.source, 0, 0, 0))
+    tr, sched, train_idx, step, batches = first_window(cfg, data)
     by_id = {str(data.source[i]["id"]): i for i in train_idx}
     samples = [data.source[by_id[sid]] for b in batches for sid in b.sample_ids]
     assert len(batches) == 2 and len(samples) >= 2
