@@ -1,8 +1,12 @@
 """The labels a draft misses although the target was sure of them: on the target's own greedy
-answers to MT-bench first turns (CPU, float32), every label whose target probability is at least
---sure (the target's softmax at the row before it) and whose TTT step-0 prediction (one step ahead of
-the target's features, as the draft serves) differs, with the text before it, the draft's token,
-the probability the target gave that token and how sure the target was of the label before.
+answers to MT-bench first turns (CPU, float32), every label j whose target top-1 probability (its
+softmax at row j-1; on greedy text the label's own probability) is at least --sure and whose TTT
+step-0 prediction differs (row j-2 reads the target's states at j-2 and token j-1 and predicts
+token j, as the draft serves), with the text before it, the draft's token, the probability the
+target gave that token, how sure the target was of the label before, whether the label is in
+the draft vocabulary, and whether the label with the two tokens before it already occurred earlier
+in the answer (a repeat the draft could have copied). Label 0 of an answer counts too (serving takes it from the prefill), as in
+bench/acc_by_position.py.
 
     python bench/misses.py --draft EXPORTED_DRAFT_DIR --bench question.jsonl [--questions 8] [--new 256] [--sure 0.99]
 """
@@ -55,7 +59,7 @@ def main() -> None:
                                 sdpa_masks(torch.zeros(1, s, dtype=torch.long), 1))[0]
             pred_S = to_target_ids(draft, draft.logits(step0[0]).argmax(-1))  # row r predicts ids[r + 2]
             start = prompt.shape[1]
-            # the same step-0 predictions as the evaluation's teacher-forced path (bench/acc_by_position.py's)
+            # this script's row/label offsets against the evaluation's teacher-forced path (acc_by_position's)
             correct_S = teacher_forced_steps(draft, aux_1SKD[0], ids_S, 1, first_label=start)[0]
         assert torch.equal(correct_S[start - 2 : s - 2], pred_S[start - 2 : s - 2] == ids_S[start:]), q["question_id"]
         for j in range(start, s):
@@ -67,9 +71,12 @@ def main() -> None:
                 continue
             missed += 1
             before = tok.decode(ids_S[max(start, j - 6) : j])
+            tri = ids_S[j - 2 : j + 1].tolist()
+            repeat = any(ids_S[i - 2 : i + 1].tolist() == tri for i in range(start + 2, j))
             print(f"q{q['question_id']} answer token {j - start:3d}  {before!r:42} target {tok.decode([ids_S[j]])!r:14} "
                   f"draft {tok.decode([guess])!r:14} p_target(draft's) {probs_SV[j - 1][guess]:.3f}  "
-                  f"p_top1 of the label before {probs_SV[j - 2].max():.2f}")
+                  f"p_top1 of the label before {probs_SV[j - 2].max():.2f}  "
+                  f"in the draft vocab {bool(draft.t2d[ids_S[j]])}  repeat {repeat}")
     print(f"{missed} of {sure} labels with target p_top1 >= {a.sure} missed by step 0 ({missed / max(sure, 1):.1%})")
 
 
