@@ -64,13 +64,11 @@ def step_terms(
     for logits_MW, tix_M in zip(logits_T, tix_T):
         p_MW, top1_M = p_NW[tix_M], top1_N[tix_M]
         ok_M = top1_M >= 0
-        if top1_weight == 0.0:
-            ce_M = F.cross_entropy(logits_MW.float(), p_MW, reduction="none")
-        else:  # one log-softmax for both terms; an invalid row's top-1 (-1) reads column 0, masked below
-            logp_MW = torch.log_softmax(logits_MW.float(), dim=-1)
-            ce_M = -top1_weight * logp_MW.gather(1, top1_M.clamp(min=0)[:, None])[:, 0]
-            if top1_weight < 1.0:
-                ce_M = ce_M - (1.0 - top1_weight) * (p_MW * logp_MW).sum(-1)
+        z_MW = logits_MW.float()
+        ce_M = F.cross_entropy(z_MW, p_MW, reduction="none") if top1_weight < 1.0 else 0.0
+        if top1_weight > 0.0:  # an invalid row's top-1 (-1) reads class 0, masked below
+            hard_M = F.cross_entropy(z_MW, top1_M.clamp(min=0), reduction="none")
+            ce_M = (1.0 - top1_weight) * ce_M + top1_weight * hard_M
         loss_sums.append(torch.where(ok_M, ce_M, 0.0).sum())
         correct.append((logits_MW.detach().argmax(-1) == top1_M).sum())  # top1 -1 never matches
         valid.append(ok_M.sum())
