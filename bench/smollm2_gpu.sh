@@ -13,7 +13,8 @@
 #               /root/keep, with the conversations of data/smollm2-sharegpt-regenerated.jsonl.xz
 #               (regenerated in sessions 7, 9 and 10) to train on, and with SELF=1 after them those of
 #               data/smollm2-self-written-regenerated.jsonl.xz (user turns SmolLM2 wrote itself,
-#               session 10); FRESH=1 leaves all of those out (the `regenerate` flow). With .carry/cfg
+#               session 10), with SELF=2 also those of data/smollm2-self-written-seed1-regenerated.jsonl.xz
+#               (more of them, session 11); FRESH=1 leaves all of those out (the `regenerate` flow). With .carry/cfg
 #               (SmolLM2's config and tokenizer) also a regenerate decode-step profile (random
 #               weights); SELF_CHECK=0 skips the GPU graph tests. Writes
 #               the train/evaluate overrides the later phases read, from TRAIN_STEPS (3000),
@@ -65,6 +66,7 @@ RUN=/root/run  # outside the repo copy: its ignored folders (runs/) are cleared 
 SHAREGPT=$KEEP/sharegpt_all.jsonl.xz  # `regenerate` (FRESH=1): all of ShareGPT, the recipe's own flow
 REGENERATED=data/smollm2-sharegpt-regenerated.jsonl.xz  # conversations regenerated in sessions 7, 9 and 10 (data/README.md)
 SELF_WRITTEN=data/smollm2-self-written-regenerated.jsonl.xz  # SmolLM2's self-written user turns, answered (session 10)
+SELF_WRITTEN_SEED1=data/smollm2-self-written-seed1-regenerated.jsonl.xz  # more of them, another seed (session 11)
 DATA="--run_dir=$RUN --prepare.data=$SHAREGPT --evaluate.bench=$KEEP/mtbench.jsonl"
 stamp() { echo "[smollm2_gpu $(date +%T)] $*"; }
 # keep's train/evaluate overrides, then where the first offline train call put the hidden states
@@ -76,7 +78,12 @@ if [[ $phase == keep ]]; then
     rm -f "$KEEP/regenerated.jsonl" "$KEEP/regenerated_base.jsonl"
     if [[ ${FRESH:-0} != 1 ]]; then
         xz -dc $REGENERATED > "$KEEP/regenerated.jsonl"
-        [[ ${SELF:-0} != 1 ]] || xz -dc $SELF_WRITTEN >> "$KEEP/regenerated.jsonl"
+        case ${SELF:-0} in
+            0) ;;
+            1) xz -dc $SELF_WRITTEN >> "$KEEP/regenerated.jsonl" ;;
+            2) xz -dc $SELF_WRITTEN $SELF_WRITTEN_SEED1 >> "$KEEP/regenerated.jsonl" ;;
+            *) echo "SELF=${SELF}: 0 (ShareGPT only), 1 (and the seed-0 self-written file) or 2 (and both)" >&2; exit 2 ;;
+        esac
     fi
 fi
 join_gguf() {  # the GGUF's second half travels with this call, its first half with `keep`

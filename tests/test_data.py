@@ -10,12 +10,13 @@ import pytest
 DATA = Path(__file__).parent.parent / "data"
 
 
-@pytest.mark.parametrize("name,count,self_written", [("smollm2-sharegpt-regenerated.jsonl.xz", 16813, False),
-                                                     ("smollm2-self-written-regenerated.jsonl.xz", 7436, True)])
-def test_committed_regenerated_data_is_what_data_readme_says(name, count, self_written):
+@pytest.mark.parametrize("name,count,self_prefix", [("smollm2-sharegpt-regenerated.jsonl.xz", 16813, None),
+                                                    ("smollm2-self-written-regenerated.jsonl.xz", 7436, "self-"),
+                                                    ("smollm2-self-written-seed1-regenerated.jsonl.xz", 14866, "self1-")])
+def test_committed_regenerated_data_is_what_data_readme_says(name, count, self_prefix):
     """The sha256 and the count in the file's data/README.md section, distinct ids, every
     assistant turn non-empty with a finish reason; the self-written ones single-turn, with ids
-    self-k and source indices -1-k."""
+    <prefix>k and source indices -1-k."""
     path = DATA / name
     readme = (DATA / "README.md").read_text()
     section = readme[readme.index(f"## {name}"):].split("\n## ")[0]
@@ -27,7 +28,7 @@ def test_committed_regenerated_data_is_what_data_readme_says(name, count, self_w
         answers = [m for m in r["messages"] if m["role"] == "assistant"]
         assert answers and all(m["content"] for m in answers), r["id"]
         assert len(r["finish_reasons"]) == len(answers) and set(r["finish_reasons"]) <= {"stop", "length"}, r["id"]
-        assert r["id"].startswith("self-") == self_written, r["id"]
-        if self_written:
-            k = int(r["id"].removeprefix("self-"))
+        assert r["id"].startswith("self") == (self_prefix is not None), r["id"]
+        if self_prefix:
+            k = int(r["id"].removeprefix(self_prefix))
             assert r["source_index"] == -1 - k and [m["role"] for m in r["messages"]] == ["user", "assistant"]
