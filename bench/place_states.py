@@ -51,7 +51,9 @@ def place(offsets: list[int], bytes_per_token: int, disk_free: float, shm_free: 
         raise SystemExit(f"no room for any hidden states: {disk_free / GB:.1f} GB free on the disk")
     return [f"--prepare.max_conversations={fit}"], (
         f"{need / GB:.1f} GB of states fit neither the disk ({disk_free / GB:.1f} GB free) nor {shm} "
-        f"({shm_free / GB:.1f} GB free, {ram_free / GB:.1f} GB of memory): the first {fit} of {conversations} conversations")
+        f"({shm_free / GB:.1f} GB free, {ram_free / GB:.1f} GB of memory, {keep_ram / GB:.0f} GB of it to keep free): "
+        f"the first {fit} of {conversations} conversations; the last {conversations - fit} are left out of training "
+        f"(to keep them: a smaller --keep-ram-gb, or --train.mode=online)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,38 @@
+"""bench/place_states.py decides where an offline run's hidden states go on the device machine: the
+disk, tmpfs, or the first conversations that fit the disk (session 11: 39,115 conversations need
+~98 GB, more than tmpfs leaves of memory at the default 40 GB kept free)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+
+from place_states import GB, place  # noqa: E402
+
+OFFSETS = [0, 10, 30, 60, 100]  # 4 conversations, 100 tokens; at 1 GB per token, 100 GB of states
+
+
+def test_states_go_to_the_disk_when_they_fit_there_with_the_margin():
+    overrides, why = place(OFFSETS, int(GB), disk_free=106 * GB, shm_free=200 * GB, ram_free=200 * GB,
+                           margin=6 * GB, keep_ram=40 * GB, shm="/dev/shm")
+    assert overrides == [] and "fit the disk" in why
+
+
+def test_states_go_to_tmpfs_only_when_the_memory_to_keep_stays_free():
+    args = dict(disk_free=105 * GB, shm_free=137 * GB, margin=6 * GB, shm="/dev/shm")
+    overrides, _ = place(OFFSETS, int(GB), ram_free=140 * GB, keep_ram=40 * GB, **args)
+    assert overrides == ["--extract.out_dir=/dev/shm/eyas-extract"]
+    # 134 - 100 = 34 GB left: not with 40 kept free (the default), yes with 24
+    overrides, why = place(OFFSETS, int(GB), ram_free=134 * GB, keep_ram=40 * GB, **args)
+    assert overrides == ["--prepare.max_conversations=3"], why  # 60 tokens fit 105 - 6 GB, 100 do not
+    assert "the last 1 are left out of training" in why and "--keep-ram-gb" in why
+    overrides, _ = place(OFFSETS, int(GB), ram_free=134 * GB, keep_ram=24 * GB, **args)
+    assert overrides == ["--extract.out_dir=/dev/shm/eyas-extract"]
+
+
+def test_no_room_for_even_the_first_conversation_is_an_error():
+    with pytest.raises(SystemExit, match="no room"):
+        place(OFFSETS, int(GB), disk_free=15 * GB, shm_free=0.0, ram_free=200 * GB, margin=6 * GB,
+              keep_ram=40 * GB, shm="/dev/shm")
