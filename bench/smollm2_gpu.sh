@@ -13,8 +13,9 @@
 #               /root/keep, with the conversations of data/smollm2-sharegpt-regenerated.jsonl.xz
 #               (regenerated in sessions 7, 9 and 10) to train on, and with SELF=1 after them those of
 #               data/smollm2-self-written-regenerated.jsonl.xz (user turns SmolLM2 wrote itself,
-#               session 10), with SELF=2 also those of data/smollm2-self-written-seed1-regenerated.jsonl.xz
-#               (more of them, session 11); FRESH=1 leaves all of those out (the `regenerate` flow). With .carry/cfg
+#               session 10), with SELF=2 also those of
+#               data/smollm2-self-written-seed1-regenerated.jsonl.xz (more of them, session 11);
+#               FRESH=1 leaves all of those out (the `regenerate` flow). With .carry/cfg
 #               (SmolLM2's config and tokenizer) also a regenerate decode-step profile (random
 #               weights); SELF_CHECK=0 skips the GPU graph tests. Writes
 #               the train/evaluate overrides the later phases read, from TRAIN_STEPS (3000),
@@ -36,9 +37,9 @@
 #               export); needs .carry/p2 when no regenerate phase came before it in this machine's
 #               life; again: trains longer (it resumes from the last checkpoint); TRAIN_SECONDS set
 #               for this call replaces keep's training budget. Offline, the first train call puts the
-#               hidden states where they fit (bench/place_states.py: the disk, else /dev/shm, else the
-#               first conversations that fit the disk) and the later calls keep that; DRAFT_BACK=0
-#               returns no draft weights
+#               hidden states where they fit (bench/place_states.py: the disk, else /dev/shm when
+#               STATES_KEEP_RAM_GB (40) of memory stays free beside them, else the first conversations
+#               that fit the disk) and the later calls keep that; DRAFT_BACK=0 returns no draft weights
 #   evaluate    `eyas run --accept_partial=regenerate,train` (evaluate, summary)
 #   check       .carry/r2, .carry/cfg (SmolLM2's config + tokenizer, made by smollm2_carry.sh), after `keep`: graph tests,
 #               decoding speed, regenerate/extract/train rates on a random-weight SmolLM2-shaped target
@@ -73,16 +74,17 @@ stamp() { echo "[smollm2_gpu $(date +%T)] $*"; }
 overrides() { cat "$KEEP/train_overrides"; [[ ! -f $KEEP/states_placed ]] || cat "$KEEP/states_placed"; }
 
 if [[ $phase == keep ]]; then
+    if [[ ! ${SELF:-0} =~ ^[012]$ ]]; then
+        echo "SELF=${SELF}: 0 (ShareGPT only), 1 (and the seed-0 self-written file) or 2 (and both)" >&2; exit 2
+    fi
     cp .carry/p1/* "$KEEP/"
     # train on the conversations regenerated earlier unless FRESH=1 (regenerate from nothing)
     rm -f "$KEEP/regenerated.jsonl" "$KEEP/regenerated_base.jsonl"
     if [[ ${FRESH:-0} != 1 ]]; then
         xz -dc $REGENERATED > "$KEEP/regenerated.jsonl"
         case ${SELF:-0} in
-            0) ;;
             1) xz -dc $SELF_WRITTEN >> "$KEEP/regenerated.jsonl" ;;
             2) xz -dc $SELF_WRITTEN $SELF_WRITTEN_SEED1 >> "$KEEP/regenerated.jsonl" ;;
-            *) echo "SELF=${SELF}: 0 (ShareGPT only), 1 (and the seed-0 self-written file) or 2 (and both)" >&2; exit 2 ;;
         esac
     fi
 fi
@@ -226,7 +228,7 @@ train)
         # (after keep or regenerate_rest only: new conversations, or a new run after keep again)
         rm -rf $RUN/extract /dev/shm/eyas-extract
         python3 bench/place_states.py $RUN/prepare --bytes-per-token $(( 4 * 576 * 2 + 5 )) --disk $RUN \
-            > "$KEEP/states_placed.tmp"
+            --keep-ram-gb ${STATES_KEEP_RAM_GB:-40} > "$KEEP/states_placed.tmp"
         mv "$KEEP/states_placed.tmp" "$KEEP/states_placed"
         stamp "train overrides: $(overrides)"
     fi

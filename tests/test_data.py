@@ -30,5 +30,18 @@ def test_committed_regenerated_data_is_what_data_readme_says(name, count, self_p
         assert len(r["finish_reasons"]) == len(answers) and set(r["finish_reasons"]) <= {"stop", "length"}, r["id"]
         assert r["id"].startswith("self") == (self_prefix is not None), r["id"]
         if self_prefix:
+            assert r["id"].startswith(self_prefix), r["id"]
             k = int(r["id"].removeprefix(self_prefix))
             assert r["source_index"] == -1 - k and [m["role"] for m in r["messages"]] == ["user", "assistant"]
+
+
+def test_committed_regenerated_files_share_no_id():
+    """bench/smollm2_gpu.sh trains on the three files together (SELF=2): an id in two of them would
+    put two conversations in one held-out group and name two samples alike in errors."""
+    seen: dict[str, str] = {}
+    for path in sorted(DATA.glob("*.jsonl.xz")):
+        for line in lzma.open(path, "rt", encoding="utf-8"):
+            i = json.loads(line)["id"]
+            assert i not in seen, f"{i} is in both {seen[i]} and {path.name}"
+            seen[i] = path.name
+    assert len(seen) == 16813 + 7436 + 14866
