@@ -1,6 +1,6 @@
 """bench/place_states.py decides where an offline run's hidden states go on the device machine: the
-disk, tmpfs, or the first conversations that fit the disk (session 11: 39,115 conversations need
-~98 GB, more than tmpfs leaves of memory at the default 40 GB kept free)."""
+disk, tmpfs, or the first conversations that fit the disk (session 11: the ~98 GB of states of
+39,115 conversations would leave less memory beside them in tmpfs than the default 40 GB kept free)."""
 
 import sys
 from pathlib import Path
