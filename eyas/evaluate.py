@@ -394,7 +394,7 @@ def collect_results(
                         divergences.append({"mode": mode, "id": r["id"], "turn": r["turn"], **diff})
             rec[mode] = entry
         summaries[mode] = summarize(pooled, sum(len(r["gen"].tokens) for r in runs), baseline)
-    primary = summaries["tree" if "tree" in summaries else "chain"]
+    primary = summaries.get("tree") or summaries.get("chain") or {}  # none: evaluate.mode=simulate
     return {
         **{f"tau_{m}": v["tau"] for m, v in summaries.items()},
         **primary,
@@ -424,7 +424,8 @@ def teacher_forced_chain(
     it predicts, over every output token (as training's acc_T); tau_hat from acc as training logs
     it; tau_sim etc.: the simulated passes, pooled (a pass running past a prompt's output counts
     its lower bound). Where chain_runs[i] decoded the same prompt into the same output, its
-    measured passes are compared with the simulated ones (`SimulatedChain.matches`)."""
+    measured passes are compared with the simulated ones (`SimulatedChain.matches`); chain_runs
+    None (evaluate.mode=simulate): nothing to compare."""
     from eyas.capture import capture
     from eyas.spec.simulate import label_mask, simulate_chain, teacher_forced_steps
     from eyas.train.loss import acceptance_length
@@ -435,7 +436,7 @@ def teacher_forced_chain(
     correct_T = torch.zeros(k, dtype=torch.long, device=device)
     valid_T = torch.zeros(k, dtype=torch.long, device=device)
     pooled, compared, mismatches = SpecStats(), 0, []
-    for ref, run in zip(ref_runs, chain_runs):
+    for ref, run in zip(ref_runs, chain_runs if chain_runs is not None else [None] * len(ref_runs)):
         start = len(ref["prompt_ids"])
         ids_S = torch.tensor(ref["prompt_ids"] + ref["gen"].tokens, device=device)
         try:
@@ -448,7 +449,7 @@ def teacher_forced_chain(
         valid_T += label_mask(k, ids_S.shape[0], start, device).sum(1)
         sim = simulate_chain(correct_TS, start, ids_S.shape[0], k)  # one host copy per prompt
         pooled.merge(sim.stats())
-        if run["prompt_ids"] == ref["prompt_ids"] and run["gen"].tokens == ref["gen"].tokens:
+        if run is not None and run["prompt_ids"] == ref["prompt_ids"] and run["gen"].tokens == ref["gen"].tokens:
             compared += 1
             if not sim.matches(run["gen"].stats):
                 mismatches.append({"id": run["id"], "turn": run["turn"], "simulated": sim.accepted,
@@ -479,11 +480,12 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     out_dir = cfg.stage_dir("evaluate")
     questions = load_bench(ec.bench, ec.num_questions)  # before any model: a bad bench fails fast
     s = load_setup(cfg)
-    modes = ["chain", "tree"] if ec.mode == "both" else [ec.mode]
-    check = ec.temperature == 0 and ec.lossless_check
+    simulate = ec.mode == "simulate"  # target-only decoding, the chain simulated from it
+    modes = [] if simulate else ["chain", "tree"] if ec.mode == "both" else [ec.mode]
+    check = ec.temperature == 0 and ec.lossless_check and not simulate
     warm_up(s, ec, questions, modes)
     decoders: dict[str | None, Callable[[torch.Tensor], Generation]] = {}
-    if check or ec.measure_speedup:
+    if check or ec.measure_speedup or simulate:
         decoders[None] = decoder(s, ec, None, ec.max_new_tokens)
     decoders.update({m: decoder(s, ec, m, ec.max_new_tokens) for m in modes})
     names = ", ".join("target-only" if m is None else m for m in decoders)
@@ -509,16 +511,23 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     )  # fmt: skip
     results["tie_tolerance"] = rel_tol
     results["teacher_forced"] = None
-    if ec.teacher_forced and ec.temperature == 0 and "chain" in spec_runs:
+    if ec.teacher_forced and ec.temperature == 0 and ("chain" in spec_runs or simulate):
         # on the target-only outputs when they were decoded, else on the chain's own (greedy) ones
         ref_runs = base_runs if base_runs is not None else spec_runs["chain"]
         try:
             results["teacher_forced"] = teacher_forced_chain(s.target, s.draft, ec.num_draft_tokens, ref_runs,
-                                                             spec_runs["chain"])
+                                                             spec_runs.get("chain"))
         except Exception as e:  # a diagnostic: keep the decoding results, fail the run after writing them
             results["teacher_forced"] = {"error": describe_exception(e)}
             print(f"[eyas:evaluate] the teacher-forced check failed: {type(e).__name__}: {exception_message(e)}\n"
                   f"{results['teacher_forced']['error']['traceback']}", file=sys.stderr, flush=True)
+    tf = results["teacher_forced"]
+    results["tau_chain_simulated"] = tf["tau_sim"] if tf and "error" not in tf else None
+    if simulate:  # the simulated chain stands in for the decoder's numbers
+        results["num_prompts"] = len(base_runs)
+        results["records"] = [{"id": r["id"], "turn": r["turn"], "prompt_tokens": r["prompt_tokens"],
+                               "target_only": {"output_tokens": len(r["gen"].tokens), "wall_s": r["gen"].wall_s}}
+                              for r in base_runs]
     results["num_questions"] = done
     results["questions_requested"] = len(questions)
     results["stopped_early"] = done < len(questions)
@@ -552,6 +561,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
             "questions_requested": len(questions),
             "prompts": results["num_prompts"],
             **{f"tau_{m}": results[f"tau_{m}"] for m in modes},
+            **({"tau_chain_simulated": results["tau_chain_simulated"]} if simulate else {}),
         },
     )
     print(format_table(results))

@@ -323,9 +323,11 @@ def _evaluation(eval_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ArtifactError(f"{path} is missing: the evaluate stage wrote no results")
     res = json.loads(path.read_text())
-    keys = ("tau_chain", "tau_tree", "acceptance_per_position", "lossless", "lossless_up_to_ties", "num_divergent",
-            "num_divergent_near_tie", "speedup")
+    keys = ("tau_chain", "tau_tree", "tau_chain_simulated", "acceptance_per_position", "lossless",
+            "lossless_up_to_ties", "num_divergent", "num_divergent_near_tie", "speedup")
     out = {k: res.get(k) for k in keys}  # the un-suffixed ones: the tree's when it ran (results.json's primary mode)
+    tf = res.get("teacher_forced") or {}
+    out["acceptance_per_position_chain_simulated"] = tf.get("acceptance_per_position")
     for mode, m in (res.get("modes") or {}).items():
         out[f"acceptance_per_position_{mode}"] = m.get("acceptance_per_position")
         out[f"speedup_{mode}"] = m.get("speedup")
@@ -350,7 +352,11 @@ def print_summary(rec: dict[str, Any]) -> None:
         speedup = rec.get(f"speedup_{mode}")
         lines.append(f"  {mode:<11} tau {rec[f'tau_{mode}']:.3f}  speedup " + (f"{speedup:.2f}x" if speedup else "-")
                      + "  P(accept | reached) per draft position: " + " ".join(f"{a:.2f}" for a in acc))
-    if "lossless" in rec:
+    if rec.get("tau_chain_simulated") is not None and rec.get("tau_chain") is None:  # evaluate.mode=simulate
+        acc = [a["conditional"] for a in rec.get("acceptance_per_position_chain_simulated") or []]
+        lines.append(f"  {'chain':<11} tau {rec['tau_chain_simulated']:.3f} simulated from the teacher-forced draft "
+                     "(evaluate.mode=simulate)  P(accept | reached) per draft position: " + " ".join(f"{a:.2f}" for a in acc))
+    if "lossless" in rec and (rec["lossless"] is not None or rec.get("tau_chain_simulated") is None):
         lines.append(f"  lossless    {rec['lossless']}" + (
             f" ({rec['num_divergent']} outputs differ, {rec['num_divergent_near_tie']} first at a near-tie: lossless up to "
             f"numerics {rec['lossless_up_to_ties']})" if rec.get("num_divergent") else ""))

@@ -32,6 +32,9 @@ def test_config_defaults_and_validation():
         load_config(None, ["--evaluate.device=tpu"])
     with pytest.raises(ConfigError, match="did you mean 'evaluate.tree_depth'"):
         load_config(None, ["--evaluate.tree_dept=3"])
+    for bad in (["--evaluate.temperature=0.7"], ["--evaluate.teacher_forced=false"]):
+        with pytest.raises(ConfigError, match="evaluate.mode=simulate"):
+            load_config(None, ["--evaluate.mode=simulate", *bad])
 
 
 def test_cli_short_flags_reach_the_evaluate_section():
@@ -257,6 +260,36 @@ def test_sampling_run_skips_the_lossless_check(tiny_run):
     ])  # fmt: skip
     r = main(cfg)
     assert r["lossless"] is None and r["target_only_wall_s"] is None and r["tau_chain"] >= 1
+
+
+def test_simulate_mode_gives_the_chain_decoders_passes_without_decoding(tiny_run, capsys):
+    """evaluate.mode=simulate decodes target-only only and simulates the chain from the draft's
+    teacher-forced forward; in float32 its passes are the chain decoder's own (a chain-mode run
+    over the same prompts, whose measured passes are the independent reference)."""
+    from eyas.cli import main
+    from eyas.run import print_summary
+
+    root, _ = tiny_run
+    assert main(_args(root, "--mode=chain", f"--out_dir={root / 'sim_ref'}")) == 0
+    capsys.readouterr()
+    assert main(_args(root, "--mode=simulate", f"--out_dir={root / 'sim'}")) == 0
+    printed = capsys.readouterr().out
+    chain = json.loads((root / "sim_ref" / "results.json").read_text())
+    sim = json.loads((root / "sim" / "results.json").read_text())
+    assert sim["modes"] == {} and "tau_chain" not in sim and sim["lossless_checked"] is False
+    assert sim["target_only_wall_s"] > 0 and "teacher-forced on target-only outputs" in printed
+    assert [(r["id"], r["turn"]) for r in sim["records"]] == [("1", 0), ("1", 1), ("2", 0)] and sim["num_prompts"] == 3
+    tf, ref = sim["teacher_forced"], chain["modes"]["chain"]
+    assert tf["num_compared"] == 0 and chain["teacher_forced"]["matches_decoder"] is True
+    # the same passes; a prompt's last pass counts its lower bound (eyas.spec.simulate), so tau no higher
+    assert tf["verify_passes"] == ref["verify_passes"]
+    assert sim["tau_chain_simulated"] == tf["tau_sim"] == chain["tau_chain_simulated"] <= chain["tau_chain"]
+    # eyas run's summary names the simulated tau and prints no lossless verdict for it
+    print_summary({"run_dir": "r", "stages": {}, "tau_chain": None, "tau_tree": None, "lossless": None,
+                   "tau_chain_simulated": sim["tau_chain_simulated"],
+                   "acceptance_per_position_chain_simulated": tf["acceptance_per_position"]})
+    summary = capsys.readouterr().out
+    assert f"tau {sim['tau_chain_simulated']:.3f} simulated" in summary and "lossless" not in summary
 
 
 def test_exported_draft_loads_and_decodes_the_same(tiny_run, tmp_path):

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from eyas.config.base import require
 
-MODES = ("chain", "tree", "both")
+MODES = ("chain", "tree", "both", "simulate")
 DTYPES = ("", "auto", "bfloat16", "float16", "float32")
 
 
@@ -23,7 +23,14 @@ class EvaluateConfig:
     max_new_tokens: int = 256
     """New tokens per turn (generation also stops at the target's end-of-turn tokens)."""
     mode: str = "chain"
-    """chain (num_draft_tokens tokens per step), tree (EAGLE-2 dynamic tree) or both."""
+    """chain (num_draft_tokens tokens per step), tree (EAGLE-2 dynamic tree), both, or simulate:
+    no speculative decoding, only target-only greedy decoding and the chain decoder simulated from
+    the draft's teacher-forced forward on its outputs (`teacher_forced`; results.json
+    `tau_chain_simulated`): greedy only, no tree, no speedup, no lossless check; the chain and tree
+    decoding time saved (on one H200 about 200 s of 470 for MT-bench with SmolLM2). It equals the
+    chain decoder's passes wherever their outputs agree (every prompt in float32); in bf16, where a
+    near-tie flips, MT-bench read 2.95 and 3.00 simulated against 2.98 and 3.04 measured
+    (BENCHMARKS.md, sessions 10 and 11)."""
     num_draft_tokens: int = 7
     """Chain mode: draft tokens proposed per verify pass."""
     tree_total_tokens: int = 60
@@ -92,6 +99,10 @@ class EvaluateConfig:
         require(self.tree_depth >= 1, f"evaluate.tree_depth={self.tree_depth} must be >= 1")
         require(self.tree_top_k >= 1, f"evaluate.tree_top_k={self.tree_top_k} must be >= 1")
         require(self.temperature >= 0, f"evaluate.temperature={self.temperature} must be >= 0 (0 = greedy)")
+        require(self.mode != "simulate" or (self.temperature == 0 and self.teacher_forced),
+                f"evaluate.mode=simulate simulates greedy chain decoding from the teacher-forced forward: it needs "
+                f"evaluate.temperature=0 (not {self.temperature:g}) and evaluate.teacher_forced=true "
+                f"(not {str(self.teacher_forced).lower()}); use mode chain, tree or both otherwise")
         require(self.seed >= -1, f"evaluate.seed={self.seed} must be >= 0, or -1 for the top-level seed")
         require(
             self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None,
