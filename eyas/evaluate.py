@@ -25,7 +25,9 @@ prompt over the target-only greedy output give the per-step accuracy as training
 (acc_T, tau_hat) and the chain decoder's passes simulated from it (tau_sim), which must equal the
 measured ones (exactly in float32) wherever the chain's output is the target-only output. A low
 tau with a high acc_T and matching simulation is the data (domain shift); a mismatch is a
-train/serve difference in the decoder.
+train/serve difference in the decoder. Mode simulate decodes target-only only (whatever
+measure_speedup and lossless_check say) and reports this simulated chain alone
+(`tau_chain_simulated`).
 
 Output (RUN_DIR/evaluate/): results.json (tau_chain / tau_tree, per-position acceptance,
 accepted-length histogram, times, speedup, lossless, teacher_forced, per-prompt records),
@@ -578,8 +580,10 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         )
     if (results["teacher_forced"] or {}).get("error"):
         err = results["teacher_forced"]["error"]
+        skip = ("evaluate.mode=simulate is that check: --evaluate.mode=chain decodes instead" if simulate
+                else "--evaluate.teacher_forced=false skips the check")
         raise EyasError(f"evaluate: the teacher-forced check failed ({err['type']}: {err['message']}); the decoding "
-                        f"results are in {out_dir / 'results.json'}; --evaluate.teacher_forced=false skips the check")
+                        f"results are in {out_dir / 'results.json'}; {skip}")
     return results
 
 
@@ -607,6 +611,7 @@ def format_table(results: dict[str, Any]) -> str:
         lines.append(f"teacher-forced check failed: {tf['error']['type']}: {tf['error']['message']}")
     elif tf:
         agree = (f"matches decoder on {tf['num_matching']} of {tf['num_compared']} prompts" if tf["num_compared"]
+                 else "simulated; no chain decoded to compare (evaluate.mode=simulate)" if not results["modes"]
                  else "no prompt where the chain output is the reference output")
         sim_cond = " ".join(f"{p['conditional']:.2f}" for p in tf["acceptance_per_position"])
         lines.append(f"teacher-forced on {tf['outputs'].replace('_', '-')} outputs: acc "

@@ -14,7 +14,7 @@ repeated, unless `accept_partial` names it (its output is then used as it is); a
 makes every stage after it run again on the new output (each meta.json records the hash of the
 meta.json of the output it was made from, so this holds across runs). RUN_DIR holds one
 subdirectory per stage, `run.log` (everything printed) and `summary.json` (per-stage wall time and
-throughput, tau_chain, tau_tree, acceptance_per_position, lossless, speedup).
+throughput, tau_chain, tau_tree, tau_chain_simulated, acceptance_per_position, lossless, speedup).
 """
 
 from __future__ import annotations
@@ -356,7 +356,8 @@ def print_summary(rec: dict[str, Any]) -> None:
         acc = [a["conditional"] for a in rec.get("acceptance_per_position_chain_simulated") or []]
         lines.append(f"  {'chain':<11} tau {rec['tau_chain_simulated']:.3f} simulated from the teacher-forced draft "
                      "(evaluate.mode=simulate)  P(accept | reached) per draft position: " + " ".join(f"{a:.2f}" for a in acc))
-    if "lossless" in rec and (rec["lossless"] is not None or rec.get("tau_chain_simulated") is None):
+    decoded = rec.get("tau_chain") is not None or rec.get("tau_tree") is not None  # not evaluate.mode=simulate
+    if "lossless" in rec and (decoded or rec.get("tau_chain_simulated") is None):
         lines.append(f"  lossless    {rec['lossless']}" + (
             f" ({rec['num_divergent']} outputs differ, {rec['num_divergent_near_tie']} first at a near-tie: lossless up to "
             f"numerics {rec['lossless_up_to_ties']})" if rec.get("num_divergent") else ""))

@@ -262,34 +262,60 @@ def test_sampling_run_skips_the_lossless_check(tiny_run):
     assert r["lossless"] is None and r["target_only_wall_s"] is None and r["tau_chain"] >= 1
 
 
-def test_simulate_mode_gives_the_chain_decoders_passes_without_decoding(tiny_run, capsys):
+def test_simulate_mode_gives_the_chain_decoders_passes_without_decoding(tiny_run, tmp_path, capsys):
     """evaluate.mode=simulate decodes target-only only and simulates the chain from the draft's
-    teacher-forced forward; in float32 its passes are the chain decoder's own (a chain-mode run
-    over the same prompts, whose measured passes are the independent reference)."""
+    teacher-forced forward; in float32 its passes are the chain decoder's own: a chain-mode run over
+    the same prompts is the independent reference, with a draft fitted to the target's answers so
+    that it accepts tokens (a random one accepts none, and any simulation would agree with it)."""
+    from export_helpers import fitted_draft
+    from transformers import AutoTokenizer
+
     from eyas.cli import main
-    from eyas.run import print_summary
+    from eyas.draft import save_draft
+    from eyas.evaluate import render
+    from eyas.run import _evaluation, print_summary
+    from eyas.spec import target_generate
 
     root, _ = tiny_run
-    assert main(_args(root, "--mode=chain", f"--out_dir={root / 'sim_ref'}")) == 0
-    capsys.readouterr()
-    assert main(_args(root, "--mode=simulate", f"--out_dir={root / 'sim'}")) == 0
-    printed = capsys.readouterr().out
-    chain = json.loads((root / "sim_ref" / "results.json").read_text())
-    sim = json.loads((root / "sim" / "results.json").read_text())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one summation order for the decoder and the teacher-forced forward
+    try:
+        from transformers import AutoModelForCausalLM
+
+        tok = AutoTokenizer.from_pretrained(str(root / "target"))
+        target = AutoModelForCausalLM.from_pretrained(str(root / "target"), torch_dtype=torch.float32).eval()
+        prompts = [render(tok, [{"role": "user", "content": t}]) for t in ("Hi there!", "Name a colour.")]
+        seqs = [p + target_generate(target, torch.tensor(p), max_new_tokens=20).tokens for p in prompts]
+        draft = fitted_draft(target, seqs, aux_layer_ids=(0, 2, 3), draft_vocab=512, steps=60, decoy_shifts=(),
+                             intermediate_size=64)  # fmt: skip
+        save_draft(draft, tmp_path / "fitted")
+        args = (f"--draft={tmp_path / 'fitted'}", "--max_new_tokens=12", "--num_questions=2")
+        assert main(_args(root, "--mode=chain", f"--out_dir={tmp_path / 'chain'}", *args)) == 0
+        capsys.readouterr()
+        assert main(_args(root, "--mode=simulate", f"--out_dir={tmp_path / 'sim'}", *args)) == 0
+        printed = capsys.readouterr().out
+    finally:
+        torch.set_num_threads(threads)
+    chain = json.loads((tmp_path / "chain" / "results.json").read_text())
+    sim = json.loads((tmp_path / "sim" / "results.json").read_text())
     assert sim["modes"] == {} and "tau_chain" not in sim and sim["lossless_checked"] is False
-    assert sim["target_only_wall_s"] > 0 and "teacher-forced on target-only outputs" in printed
+    assert sim["target_only_wall_s"] > 0 and "simulated; no chain decoded" in printed
     assert [(r["id"], r["turn"]) for r in sim["records"]] == [("1", 0), ("1", 1), ("2", 0)] and sim["num_prompts"] == 3
     tf, ref = sim["teacher_forced"], chain["modes"]["chain"]
-    assert tf["num_compared"] == 0 and chain["teacher_forced"]["matches_decoder"] is True
-    # the same passes; a prompt's last pass counts its lower bound (eyas.spec.simulate), so tau no higher
+    assert chain["teacher_forced"]["matches_decoder"] is True and chain["teacher_forced"]["num_compared"] == 3
+    assert tf["num_compared"] == 0 and sum(ref["accept_length_histogram"][1:]) > 0  # the draft accepts tokens
+    # the same passes, the same acceptances but in each prompt's last pass, which the simulation
+    # counts at its lower bound (eyas.spec.simulate): tau no higher than the decoder's
     assert tf["verify_passes"] == ref["verify_passes"]
-    assert sim["tau_chain_simulated"] == tf["tau_sim"] == chain["tau_chain_simulated"] <= chain["tau_chain"]
+    assert [p["reached"] for p in tf["acceptance_per_position"]][:1] == [ref["verify_passes"]]
+    assert sim["tau_chain_simulated"] == tf["tau_sim"] <= chain["tau_chain"]
+    assert chain["tau_chain"] - tf["tau_sim"] <= 3 * 3 / ref["verify_passes"]  # at most k per prompt
+    assert json.loads((tmp_path / "sim" / "meta.json").read_text())["counts"]["tau_chain_simulated"] == tf["tau_sim"]
     # eyas run's summary names the simulated tau and prints no lossless verdict for it
-    print_summary({"run_dir": "r", "stages": {}, "tau_chain": None, "tau_tree": None, "lossless": None,
-                   "tau_chain_simulated": sim["tau_chain_simulated"],
-                   "acceptance_per_position_chain_simulated": tf["acceptance_per_position"]})
+    print_summary({"run_dir": "r", "stages": {}, **_evaluation(tmp_path / "sim")})
     summary = capsys.readouterr().out
-    assert f"tau {sim['tau_chain_simulated']:.3f} simulated" in summary and "lossless" not in summary
+    cond = " ".join(f"{p['conditional']:.2f}" for p in tf["acceptance_per_position"])
+    assert f"tau {tf['tau_sim']:.3f} simulated" in summary and cond in summary and "lossless" not in summary
 
 
 def test_exported_draft_loads_and_decodes_the_same(tiny_run, tmp_path):

@@ -24,13 +24,14 @@ class EvaluateConfig:
     """New tokens per turn (generation also stops at the target's end-of-turn tokens)."""
     mode: str = "chain"
     """chain (num_draft_tokens tokens per step), tree (EAGLE-2 dynamic tree), both, or simulate:
-    no speculative decoding, only target-only greedy decoding and the chain decoder simulated from
-    the draft's teacher-forced forward on its outputs (`teacher_forced`; results.json
-    `tau_chain_simulated`): greedy only, no tree, no speedup, no lossless check; the chain and tree
-    decoding time saved (on one H200 about 200 s of 470 for MT-bench with SmolLM2). It equals the
-    chain decoder's passes wherever their outputs agree (every prompt in float32); in bf16, where a
-    near-tie flips, MT-bench read 2.95 and 3.00 simulated against 2.98 and 3.04 measured
-    (BENCHMARKS.md, sessions 10 and 11)."""
+    no speculative decoding, only target-only greedy decoding (whatever measure_speedup and
+    lossless_check say) and the chain decoder simulated from the draft's teacher-forced forward on
+    its outputs (`teacher_forced`; results.json `tau_chain_simulated`): greedy only, no tree, no
+    speedup, no lossless check; the chain and tree decoding time saved (SmolLM2 on MT-bench, one
+    H200, session 11: 195 s of the stage's 454). In float32 its passes are the chain decoder's; in
+    bf16 they matched on 69-72 of 88 prompts with identical outputs, and it reads a little low (each
+    prompt's last pass counts its lower bound): 3.00 against 3.04 measured (session 10), 2.95
+    against 2.98 (session 11; BENCHMARKS.md)."""
     num_draft_tokens: int = 7
     """Chain mode: draft tokens proposed per verify pass."""
     tree_total_tokens: int = 60
@@ -64,11 +65,12 @@ class EvaluateConfig:
     """Time target-only decoding on the same prompts and device (warm-up excluded) and report the
     wall-clock speedup. Under greedy with lossless_check the baseline runs anyway."""
     teacher_forced: bool = True
-    """Greedy with a chain mode: after decoding, run the draft teacher-forced (its training-time
-    forward) on the target-only outputs and report per-step accuracy as training measures it,
-    tau_hat, and the chain decoder simulated from it, compared with the measured chain's
-    accepted-length histogram and per-position counts (results.json `teacher_forced`; see
-    eyas/spec/simulate.py). One target forward and one draft TTT forward per prompt."""
+    """Greedy with a chain mode (or simulate, which needs it): after decoding, run the draft
+    teacher-forced (its training-time forward) on the target-only outputs and report per-step
+    accuracy as training measures it, tau_hat, and the chain decoder simulated from it, compared
+    with the measured chain's accepted-length histogram and per-position counts (results.json
+    `teacher_forced`; see eyas/spec/simulate.py). One target forward and one draft TTT forward per
+    prompt."""
     cuda_graphs: bool = True
     """On CUDA: fixed-size KV caches and CUDA graphs for the target's verify/decode forwards, the
     draft's step 0 and its greedy chain (eyas/spec/static.py), for target-only decoding too.
