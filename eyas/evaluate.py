@@ -362,6 +362,9 @@ def collect_results(
             "output_tokens": sum(len(r["gen"].tokens) for r in base_runs),
         }
     records: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in base_runs or []:  # every prompt decoded has a record, also with no speculative mode (simulate)
+        records[(r["id"], r["turn"])] = {"id": r["id"], "turn": r["turn"], "prompt_tokens": r["prompt_tokens"],
+                                         "target_only": {"output_tokens": len(r["gen"].tokens), "wall_s": r["gen"].wall_s}}
     summaries, divergences = {}, []
     verdicts: dict[tuple[str, str], bool] = {}  # (mode, question) -> near_tie of its latest difference
     for mode, runs in spec_runs.items():
@@ -380,7 +383,6 @@ def collect_results(
             }
             if base_runs is not None:
                 ref = base_runs[i]["gen"]
-                rec["target_only"] = {"output_tokens": len(ref.tokens), "wall_s": ref.wall_s}
                 if check:
                     diff = compare(gen.tokens, ref.tokens)
                     entry["lossless"] = diff is None
@@ -525,11 +527,6 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
                   f"{results['teacher_forced']['error']['traceback']}", file=sys.stderr, flush=True)
     tf = results["teacher_forced"]
     results["tau_chain_simulated"] = tf["tau_sim"] if tf and "error" not in tf else None
-    if simulate:  # the simulated chain stands in for the decoder's numbers
-        results["num_prompts"] = len(base_runs)
-        results["records"] = [{"id": r["id"], "turn": r["turn"], "prompt_tokens": r["prompt_tokens"],
-                               "target_only": {"output_tokens": len(r["gen"].tokens), "wall_s": r["gen"].wall_s}}
-                              for r in base_runs]
     results["num_questions"] = done
     results["questions_requested"] = len(questions)
     results["stopped_early"] = done < len(questions)
