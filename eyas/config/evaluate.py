@@ -31,7 +31,7 @@ class EvaluateConfig:
     H200, session 11: 195 s of the stage's 454). In float32 its passes are the chain decoder's; in
     bf16 they matched on 69-72 of 88 prompts with identical outputs, and it reads a little low (each
     prompt's last pass counts its lower bound): 3.00 against 3.04 measured (session 10), 2.95
-    against 2.98 (session 11; BENCHMARKS.md)."""
+    against 2.98 (session 11), 3.22 against 3.28 (session 12; BENCHMARKS.md)."""
     num_draft_tokens: int = 7
     """Chain mode: draft tokens proposed per verify pass."""
     tree_total_tokens: int = 60
