@@ -4,6 +4,7 @@ SIGKILL, corrupt shards, failures that must not be silent, preflight errors, tor
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -420,6 +421,72 @@ def test_preflight_failures(tmp_path, prep, no_weights, smollm2_dir, monkeypatch
                "offsets": torch.zeros(1, dtype=torch.int64)}, str(empty / "tokens.safetensors"))
     (empty / "sample_ids.json").write_text("[]")
     fails(DataError, "no samples", prep_dir=empty)
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    """A directory on /dev/shm (a tmpfs: another filesystem than tmp_path's), removed afterwards."""
+    import os
+    import tempfile
+
+    if not Path("/dev/shm").is_dir() or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the test's tmp_path")
+    d = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="eyas-test-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_spill_dirs_take_the_shards_that_do_not_fit(tmp_path, prep, tiny_dirs, shm_dir, capsys):
+    """The output directory on a tmpfs that keeps extract.min_free_gb free after about three
+    shards, a spill directory on the disk: the first shards stay in the tmpfs, the rest go to the
+    disk (listed by absolute path), and every sample reads back as a plain forward computes it. A
+    leftover temp file in the spill directory is removed on resume; the spill directory refuses a
+    second output directory and the output directory itself."""
+    model, out, spill = tiny_dirs("llama"), shm_dir / "extract", tmp_path / "spill"
+    if shutil.disk_usage(tmp_path).free < shutil.disk_usage(shm_dir).free + 10**8:
+        pytest.skip("needs more free space on tmp_path's disk than on /dev/shm (the disk takes what the tmpfs cannot)")
+    p = Prepared(prep)
+    row = 4 * 64 * 4 + 5  # 3 aux layers + final, D=64, float32; int32 id, uint8 mask
+    base = ["--extract.token_budget=128", "--extract.shard_bytes=1", f"--extract.out_dir={out}",  # a batch per shard
+            f"--extract.spill_dirs=[{spill}]"]
+    assert run_extract(tmp_path, prep, model, *base, "--extract.max_samples=4") == 0  # the tmpfs has room
+    first = HiddenStates(out)
+    assert all(not Path(s).is_absolute() for s in first.shards) and (spill / "eyas-spill.json").is_file()
+    # room in the tmpfs for about three more shards of <= 128 tokens
+    min_free = shutil.disk_usage(out).free - 3 * (4096 + 128 * row)
+    (spill / "shards").mkdir(exist_ok=True)
+    (spill / "shards" / "r000-99999.safetensors.tmp").write_bytes(b"left by a kill")
+    args = [*base, f"--extract.min_free_gb={min_free / 1e9}"]
+    assert run_extract(tmp_path, prep, model, *args) == 0
+    printed = capsys.readouterr().out
+    assert re.search(rf"spilled +\d+ of the shards, [\d.]+ GB, to {re.escape(str(spill.resolve()))}\n", printed), printed
+    assert not (spill / "shards" / "r000-99999.safetensors.tmp").exists()
+    hs = HiddenStates(out)
+    hs.verify()
+    in_shm = [s for s in hs.shards if not Path(s).is_absolute()]
+    spilled = [s for s in hs.shards if Path(s).is_absolute()]
+    assert len(in_shm) >= len(first.shards) + 1 and len(spilled) >= 2, hs.shards
+    assert all(Path(s).parent == spill.resolve() / "shards" and Path(s).is_file() for s in spilled)
+    assert hs.indices == list(range(len(p)))
+    kind = {i: Path(hs.shards[hs._shard[i]]).is_absolute() for i in range(len(p))}
+    check_against_capture(hs, model, [next(i for i in kind if not kind[i]), next(i for i in kind if kind[i])])
+    assert run_extract(tmp_path, prep, model, *args) == 0  # complete: nothing to do, nothing removed
+    assert HiddenStates(out).shards == hs.shards
+    with pytest.raises(ConfigError, match="holds the shards of"):
+        run_extract(tmp_path / "other", prep, model, f"--extract.spill_dirs=[{spill}]")
+    with pytest.raises(ConfigError, match="output directory itself"):
+        run_extract(tmp_path, prep, model, f"--extract.out_dir={out}", f"--extract.spill_dirs=[{out}]")
+
+
+def test_preflight_counts_every_filesystem_less_min_free(tmp_path, prep, tiny_dirs, shm_dir):
+    """The whole extract must fit the free space of the output and spill filesystems, less
+    extract.min_free_gb on each, before any weight is loaded: the error names each filesystem."""
+    model = tiny_dirs("llama")
+    # 100 kB of room on the filesystem with the most free space, none on the other: 2.4 MB needed
+    keep = max(shutil.disk_usage(shm_dir).free, shutil.disk_usage(tmp_path).free) / 1e9 - 0.0001
+    with pytest.raises(EyasError, match=r"not enough disk.*GB free at .*extract.*GB free at .*spill.*extract.spill_dirs"):
+        run_extract(tmp_path, prep, model, f"--extract.out_dir={shm_dir / 'extract'}",
+                    f"--extract.spill_dirs=[{tmp_path / 'spill'}]", f"--extract.min_free_gb={keep}")
 
 
 def test_changed_settings_refuse_to_mix(tmp_path, prep, tiny_dirs):

@@ -14,8 +14,11 @@ Capture is a set of forward hooks found generically (eyas/capture.py), never a r
 How it runs:
 * **Preflight** before any weight is loaded: target config, layer ids vs num_hidden_layers, the
   prepare output (readable, non-empty, made for this target), out dir writable, free disk >= the
-  estimate `tokens x (K+1) x D x bytes`, which is printed. A **smoke test** right after loading
-  sends one sample through the whole capture path (shape, dtype, finiteness).
+  estimate `tokens x (K+1) x D x bytes`, which is printed. With `extract.spill_dirs` the free
+  space of every filesystem counts (less `extract.min_free_gb` each), and each shard goes to the
+  first directory with room for it (store.py `ShardPlacer`): a tmpfs, then a disk, for example.
+  A **smoke test** right after loading sends one sample through the whole capture path (shape,
+  dtype, finiteness).
 * **Batches** by token budget over the longest-first order (plan.py), right-padded without a mask
   or packed (backend.py says why that is exact). Device->host copies go to a pool of pinned buffers
   on a side stream and two background threads hash and write the shards, fsyncs overlapping the
@@ -46,11 +49,12 @@ How it runs:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +88,10 @@ class Setup:
     indices: list[int]
     entries: list[dict[str, Any]]
     remaining: list[int]
+    spill: list[Path] = field(default_factory=list)
+    """extract.spill_dirs, resolved and claimed for `out`."""
+    min_free: int = 0
+    """extract.min_free_gb in bytes."""
 
     @property
     def bytes_per_token(self) -> int:
@@ -128,6 +136,7 @@ def preflight(cfg: EyasConfig, device: torch.device, world_size: int, rank: int 
     stored = compute if ec.store_dtype == "auto" else getattr(torch, ec.store_dtype)
     out = cfg.stage_dir("extract")
     _check_writable(out)
+    spill = store.claim_spill_dirs(out, ec.spill_dirs)
     fingerprint = {
         "target": str(Path(model_path(cfg.target)).resolve()) if Path(model_path(cfg.target)).exists() else cfg.target.model,
         "revision": cfg.target.revision,
@@ -146,7 +155,7 @@ def preflight(cfg: EyasConfig, device: torch.device, world_size: int, rank: int 
     done = store.done_samples(entries)
     remaining = [i for i in range(n) if i not in done]
     setup = Setup(out, prepared, layer_ids, num_layers, hidden, compute, stored, fingerprint, list(range(n)),
-                  entries, remaining)
+                  entries, remaining, spill, int(ec.min_free_gb * 1e9))
     _check_disk(setup, rank, world_size, n)
     return setup
 
@@ -162,19 +171,36 @@ def _check_writable(out: Path) -> None:
         ) from None
 
 
+def room(dirs: list[Path], min_free: int) -> tuple[int, list[str]]:
+    """Bytes the shards may take in `dirs`, each filesystem counted once and keeping `min_free` free;
+    -> (bytes, one 'DIR: N GB free' line per filesystem)."""
+    total, lines, seen = 0, [], set()
+    for d in dirs:
+        dev = os.stat(d).st_dev
+        if dev in seen:
+            continue
+        seen.add(dev)
+        free = shutil.disk_usage(d).free
+        total += max(0, free - min_free)
+        lines.append(f"{free / 1e9:.1f} GB free at {d}")
+    return total, lines
+
+
 def _check_disk(s: Setup, rank: int, world_size: int, n: int) -> None:
     tokens = int(s.prepared.lengths[s.remaining].sum()) if s.remaining else 0
     need = tokens * (s.bytes_per_token + 5)  # + int32 ids and uint8 mask per token
-    free = shutil.disk_usage(s.out).free
+    free, lines = room([s.out, *s.spill], s.min_free)
     k = len(s.layer_ids)
     _log(rank, f"{len(s.remaining):,} of {n:,} samples to extract ({tokens:,} tokens) on {world_size} rank(s); "
                f"layers {s.layer_ids} + final, D={s.hidden}, {str(s.store_dtype).removeprefix('torch.')}")
+    keep = f" (keeping extract.min_free_gb={s.min_free / 1e9:g} free on each)" if s.min_free else ""
     _log(rank, f"will write ~{need / 1e9:.2f} GB (= {tokens:,} tokens x ({k}+1) x {s.hidden} x "
-               f"{s.bytes_per_token // ((k + 1) * s.hidden)} bytes); {free / 1e9:.1f} GB free at {s.out}")
+               f"{s.bytes_per_token // ((k + 1) * s.hidden)} bytes); {', '.join(lines)}{keep}")
     if need > free:
         raise EyasError(
-            f"not enough disk at {s.out}: the extract needs ~{need / 1e9:.2f} GB, {free / 1e9:.2f} GB are free; "
-            "use --extract.out_dir on a larger disk, --extract.store_dtype=bfloat16, or --extract.max_samples"
+            f"not enough disk: the extract needs ~{need / 1e9:.2f} GB, {free / 1e9:.2f} GB may be used "
+            f"({', '.join(lines)}{keep}); use --extract.out_dir on a larger disk, add directories on other "
+            "filesystems to --extract.spill_dirs, --extract.store_dtype=bfloat16, or --extract.max_samples"
         )
 
 
@@ -250,12 +276,13 @@ def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: 
     if not batches:
         return summary
     t0 = time.perf_counter()
-    numbers = [int(e["shard"].split("-")[-1].split(".")[0]) for e in setup.entries if e["rank"] == rank]
+    numbers = [int(Path(e["shard"]).name.split("-")[1].split(".")[0]) for e in setup.entries if e["rank"] == rank]
     failures = Failures(ec.max_failures, setup.out / "errors.jsonl", rank, setup.prepared.ids)
     copier = HostCopier(max(b.num_tokens for b in batches), len(setup.layer_ids) + 1, setup.hidden,
                         setup.store_dtype, ec.writer_queue, check=lambda: writer.check())
+    placer = store.ShardPlacer(setup.out, setup.spill, setup.min_free, check=bool(setup.spill or setup.min_free))
     writer = Writer(setup.out, rank, max(numbers, default=-1) + 1, shards, setup.prepared,
-                    len(setup.layer_ids) + 1, setup.hidden, setup.store_dtype, copier, failures)
+                    len(setup.layer_ids) + 1, setup.hidden, setup.store_dtype, copier, failures, placer=placer)
     if backend.device.type == "cuda":
         copier.start()  # pins the host buffers while the smoke test and the first batch run
     with timer.gpu("smoke test"):
@@ -400,6 +427,11 @@ def print_summary(out: Path, meta: dict[str, Any]) -> None:
         f"  parity         {r['parity_checked']:>12,} samples vs a plain forward, max relative error {r['parity_max_error']:.2e}"
         + (f" ({r['parity_float32_judged']} past the tolerance, rounding by a float32 forward)" if r.get("parity_float32_judged") else ""),
     ]
+    spilled = [name for name in meta["shards"] if Path(name).is_absolute()]
+    if spilled:
+        dirs = sorted({str(Path(name).parent.parent) for name in spilled})
+        lines.append(f"  spilled        {len(spilled):>12,} of the shards, {sum(meta['shards'][n]['bytes'] for n in spilled) / 1e9:.3f} GB, "
+                     f"to {', '.join(dirs)}")
     if c["failed"]:
         lines.append(f"  FAILED         {', '.join(c['failed'][:20])}{' ...' if len(c['failed']) > 20 else ''} (see errors.jsonl)")
     print("\n".join(lines), flush=True)
@@ -410,7 +442,7 @@ def prepare_resume(setup: Setup, rank: int, world_size: int) -> None:
     ranks = [rank] + (sorted({e["rank"] for e in setup.entries} - set(range(world_size))) if rank == 0 else [])
     for r in ranks:
         store.rewrite_journal(setup.out, r, setup.entries)
-    removed = store.clean_unlisted(setup.out, ranks, {e["shard"] for e in setup.entries})
+    removed = store.clean_unlisted(setup.out, ranks, {e["shard"] for e in setup.entries}, setup.spill)
     if removed:
         print(f"[eyas:extract] rank {rank}: removed {removed} incomplete shard file(s) of an interrupted run", flush=True)
     if rank == 0:

@@ -7,6 +7,11 @@
     progress/run.json               what the states depend on (target, layers, dtype, prepare hashes)
     index.json, meta.json           written by rank 0 once every rank is done (meta.json last)
 
+With extract.spill_dirs a shard may go to SPILL/shards/ instead (`ShardPlacer`: the first
+directory whose filesystem keeps extract.min_free_gb free beside it); journals, index and meta
+stay in the output directory and name such a shard by its absolute path (`out / name` is then
+that path), SPILL/eyas-spill.json names the output directory the spill directory serves.
+
 A shard is written to a temp file and renamed when whole, then listed in the journal; on resume a
 shard counts only when listed *and* present with the listed size, anything else (temp files,
 unlisted shards) is deleted and its samples are extracted again. So `kill -9` at any moment loses
@@ -23,7 +28,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -44,6 +51,88 @@ def shard_name(rank: int, number: int) -> str:
     return f"{SHARD_DIR}/r{rank:03d}-{number:05d}.safetensors"
 
 
+SPILL_MARKER = "eyas-spill.json"
+
+
+def claim_spill_dirs(out: Path, spill_dirs: list[str]) -> list[Path]:
+    """The spill directories, resolved, created and marked as serving `out`; ConfigError when one
+    is the output directory, is not writable, or already serves another output directory (their
+    shard names would collide and each run's cleanup would delete the other's shards)."""
+    owner = str(out.resolve())
+    dirs = []
+    for d in spill_dirs:
+        path = Path(d).expanduser().resolve()
+        if path == out.resolve():
+            raise ConfigError(f"extract.spill_dirs: {d} is the output directory itself; name other directories")
+        marker = path / SPILL_MARKER
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if marker.is_file():
+                serves = json.loads(marker.read_text()).get("out_dir")
+                if serves != owner:
+                    raise ConfigError(f"extract.spill_dirs: {path} holds the shards of {serves}, not of {owner}: "
+                                      "give this output directory a spill directory of its own (or delete that one)")
+            else:
+                from eyas.artifacts import atomic_write_json
+
+                atomic_write_json(marker, {"out_dir": owner})
+        except OSError as e:
+            raise ConfigError(f"extract.spill_dirs: cannot write to {path} ({e.strerror or e}): choose another") from None
+        dirs.append(path)
+    return dirs
+
+
+def shard_bytes(num_tokens: int, row_bytes: int) -> int:
+    """A shard's size on disk, its header (< 1 KB, padded) rounded up to 4 KB."""
+    return 4096 + num_tokens * (row_bytes + 5)  # states, int32 ids, uint8 mask
+
+
+class ShardPlacer:
+    """Where this rank's next shard goes: the output directory, then the spill directories, the
+    first whose filesystem keeps `min_free` bytes free after the shard and after the rest of the
+    shards this rank is still writing there (other ranks' are not counted: keep min_free above a
+    few shards per rank). `check=False` (no spill directories, min_free 0): always the output
+    directory, as before spilling existed. Thread-safe: the writer threads open shards at once."""
+
+    def __init__(self, out: Path, spill: list[Path], min_free: int, check: bool):
+        self.out, self.dirs, self.min_free, self.check = out, [out, *spill], min_free, check
+        self.open: dict[int, tuple[int, "ShardWriter"]] = {}  # id(writer) -> (device, writer)
+        self.lock = threading.Lock()
+
+    def open_shard(self, rank: int, number: int, num_tokens: int, row_bytes: int, make) -> "ShardWriter":
+        """-> make(name), the shard's writer, opened in the chosen directory (its name relative to
+        the output directory, or absolute in a spill directory)."""
+        size = shard_bytes(num_tokens, row_bytes)
+        base = shard_name(rank, number)
+        with self.lock:
+            where, name = self.out, base
+            if self.check:
+                where = self._choose(size, base)
+                name = base if where == self.out else str(where / base)
+            writer = make(name)
+            self.open[id(writer)] = (os.stat(where).st_dev, writer)
+            return writer
+
+    def closed(self, writer: "ShardWriter") -> None:
+        with self.lock:
+            self.open.pop(id(writer), None)
+
+    def _choose(self, size: int, base: str) -> Path:
+        seen = []
+        for d in self.dirs:
+            dev = os.stat(d).st_dev
+            pending = sum(w.bytes - w.offset for dv, w in self.open.values() if dv == dev)
+            free = shutil.disk_usage(d).free
+            if free - pending - size >= self.min_free:
+                return d
+            seen.append(f"{d} {free / 1e9:.2f} GB free ({pending / 1e9:.2f} GB of it promised to shards being written)")
+        raise ArtifactError(
+            f"no room for shard {base} ({size / 1e9:.2f} GB) keeping extract.min_free_gb={self.min_free / 1e9:g} free: "
+            f"{'; '.join(seen)}; add a directory on another filesystem to --extract.spill_dirs, free space, or lower "
+            "extract.min_free_gb, then re-run the same command (the shards written so far are kept)"
+        )
+
+
 def journal_path(out: Path, rank: int) -> Path:
     return out / PROGRESS_DIR / f"r{rank:03d}.jsonl"
 
@@ -59,7 +148,8 @@ class ShardWriter:
 
     def __init__(self, out: Path, name: str, num_layers: int, hidden: int, dtype: torch.dtype,
                  input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor):
-        self.path = out / name
+        self.name = name
+        self.path = out / name  # an absolute name (a spill directory's shard) is that path
         self.tmp = self.path.with_name(self.path.name + ".tmp")
         self.num_tokens = int(input_ids_T.numel())
         self.row_bytes = num_layers * hidden * torch.empty((), dtype=dtype).element_size()
@@ -85,6 +175,11 @@ class ShardWriter:
         self._write(struct.pack("<Q", len(blob)) + blob)
         self.tokens_written = 0
         self.bytes = 8 + len(blob) + states_bytes + 5 * self.num_tokens
+
+    @property
+    def offset(self) -> int:
+        """Bytes handed to the file so far (of `bytes`)."""
+        return self._offset
 
     def _write(self, data) -> None:
         # hash on a helper thread while this one writes: both release the GIL, so a batch costs
@@ -161,14 +256,17 @@ def read_journals(out: Path) -> list[dict[str, Any]]:
     return entries
 
 
-def clean_unlisted(out: Path, ranks: list[int], listed: set[str]) -> int:
-    """Delete temp files and unlisted shards of `ranks` (left by a kill); -> how many."""
+def clean_unlisted(out: Path, ranks: list[int], listed: set[str], spill: list[Path] = ()) -> int:
+    """Delete temp files and unlisted shards of `ranks` (left by a kill), in the output directory
+    and in its spill directories; -> how many."""
     removed = 0
-    for rank in ranks:
-        for f in (out / SHARD_DIR).glob(f"r{rank:03d}-*"):
-            if f"{SHARD_DIR}/{f.name}" not in listed:
-                f.unlink(missing_ok=True)
-                removed += 1
+    for d in [out, *spill]:
+        for rank in ranks:
+            for f in (d / SHARD_DIR).glob(f"r{rank:03d}-*"):
+                name = f"{SHARD_DIR}/{f.name}" if d == out else str(d / SHARD_DIR / f.name)
+                if name not in listed:
+                    f.unlink(missing_ok=True)
+                    removed += 1
     return removed
 
 

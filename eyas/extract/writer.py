@@ -145,8 +145,9 @@ class Writer:
 
     def __init__(self, out: Path, rank: int, first_number: int, shards: list[list[Batch]], prepared,
                  num_layers: int, hidden: int, dtype: torch.dtype, copier: HostCopier, failures: Failures,
-                 threads: int = WRITER_THREADS):
+                 threads: int = WRITER_THREADS, placer: store.ShardPlacer | None = None):
         self.out, self.rank, self.first_number, self.shards = out, rank, first_number, shards
+        self.placer = placer or store.ShardPlacer(out, [], 0, check=False)
         self.prepared, self.num_layers, self.hidden, self.dtype = prepared, num_layers, hidden, dtype
         self.copier, self.failures = copier, failures
         n = max(1, min(threads, len(shards)))
@@ -211,11 +212,13 @@ class Writer:
                 batches = self.shards[s]
                 indices = [i for b in batches for i in b.indices]
                 samples = [self.prepared[i] for i in indices]
-                name = store.shard_name(self.rank, self.first_number + s)
-                current = store.ShardWriter(
-                    self.out, name, self.num_layers, self.hidden, self.dtype,
-                    torch.cat([x["input_ids"] for x in samples]), torch.cat([x["loss_mask"] for x in samples]),
-                )
+                ids = torch.cat([x["input_ids"] for x in samples])
+                row_bytes = self.num_layers * self.hidden * torch.empty((), dtype=self.dtype).element_size()
+                current = self.placer.open_shard(
+                    self.rank, self.first_number + s, ids.numel(), row_bytes,
+                    lambda name: store.ShardWriter(self.out, name, self.num_layers, self.hidden, self.dtype,
+                                                   ids, torch.cat([x["loss_mask"] for x in samples])))
+                name = current.name
                 failed: list[int] = []
                 for expected in batches:
                     t0 = time.perf_counter()
@@ -229,6 +232,7 @@ class Writer:
                     self.slots.release()
                 t0 = time.perf_counter()
                 info = current.close()
+                self.placer.closed(current)
                 self._bytes[w] += info["bytes"] - current.num_tokens * current.row_bytes  # header, ids, mask
                 current = None
                 entry = {"shard": name, "rank": self.rank, **info, "samples": indices,
@@ -244,6 +248,7 @@ class Writer:
         finally:
             if current is not None:
                 current.abort()
+                self.placer.closed(current)
 
     def _write(self, w: int, shard: store.ShardWriter, batch: Batch, p: Pending) -> list[int]:
         seconds = self._seconds[w]
