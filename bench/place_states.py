@@ -7,6 +7,10 @@ all of ShareGPT regenerated ~73 GB, the machine's disk 64 GB): prints the eyas o
 - the run directory's disk when the states fit there with --margin-gb to spare: nothing to add;
 - else tmpfs (--shm) when they fit there and leave --keep-ram-gb of memory for the training job:
   --extract.out_dir=SHM/eyas-extract;
+- else tmpfs first and the disk after it when the two hold them together (the tmpfs no fuller than
+  --keep-ram-gb of memory allows, the disk keeping --margin-gb): --extract.out_dir=SHM/eyas-extract
+  --extract.spill_dirs=[DISK/eyas-spill] --extract.min_free_gb=G, one G for both filesystems, the
+  larger of what each must keep free;
 - else as many of the first conversations as fit the disk, counted from prepare's token offsets
   (--prepare.max_conversations=N; extract checks the space itself before it writes anything).
 Measured before any states of an earlier run are removed, free space would be short by their size:
@@ -34,9 +38,9 @@ def mem_available() -> float:
 
 
 def place(offsets: list[int], bytes_per_token: int, disk_free: float, shm_free: float,
-          ram_free: float, margin: float, keep_ram: float, shm: str) -> tuple[list[str], str]:
+          ram_free: float, margin: float, keep_ram: float, shm: str, disk: str = "") -> tuple[list[str], str]:
     """offsets: prepare's cumulative token counts (conversation i holds offsets[i]..offsets[i+1]);
-    -> (overrides, why)."""
+    disk: the run directory (the spill directory goes in it; empty = no spilling); -> (overrides, why)."""
     conversations, need = len(offsets) - 1, offsets[-1] * bytes_per_token
     if need + margin <= disk_free:
         return [], f"{need / GB:.1f} GB of states fit the disk ({disk_free / GB:.1f} GB free)"
@@ -44,6 +48,17 @@ def place(offsets: list[int], bytes_per_token: int, disk_free: float, shm_free: 
         return [f"--extract.out_dir={shm}/eyas-extract"], (
             f"{need / GB:.1f} GB of states: not on the disk ({disk_free / GB:.1f} GB free), into {shm} "
             f"({shm_free / GB:.1f} GB free, {ram_free / GB:.1f} GB of memory available)")
+    # tmpfs, then the disk: extract keeps one min_free on each filesystem, so the tmpfs keeps what
+    # the memory needs (its free space less the room memory allows) and the disk at least the margin
+    shm_room = max(0.0, min(shm_free - margin, ram_free - keep_ram))
+    min_free = max(shm_free - shm_room, margin)
+    both = max(0.0, shm_free - min_free) + max(0.0, disk_free - min_free)
+    if disk and shm_free > 0 and need <= both:
+        return [f"--extract.out_dir={shm}/eyas-extract", f"--extract.spill_dirs=[{disk}/eyas-spill]",
+                f"--extract.min_free_gb={min_free / GB:.1f}"], (
+            f"{need / GB:.1f} GB of states: into {shm} ({shm_free / GB:.1f} GB free, {ram_free / GB:.1f} GB of memory "
+            f"available, {keep_ram / GB:.0f} GB of it to keep free), the rest to {disk}/eyas-spill "
+            f"({disk_free / GB:.1f} GB free); {min_free / GB:.1f} GB kept free on each")
     # the first `fit` kept conversations fit; max_conversations counts records, of which prepare may
     # drop some, so the first `fit` records hold no more tokens than that
     fit = bisect.bisect_right(offsets, (disk_free - margin) / bytes_per_token) - 1
@@ -53,7 +68,8 @@ def place(offsets: list[int], bytes_per_token: int, disk_free: float, shm_free: 
         f"{need / GB:.1f} GB of states fit neither the disk ({disk_free / GB:.1f} GB free) nor {shm} "
         f"({shm_free / GB:.1f} GB free, {ram_free / GB:.1f} GB of memory, {keep_ram / GB:.0f} GB of it to keep free): "
         f"the first {fit} of {conversations} conversations; the last {conversations - fit} are left out of training "
-        f"(to keep them: a smaller --keep-ram-gb, or --train.mode=online)")
+        f"(to keep them: a smaller --keep-ram-gb, or --train.mode=online)" + ("" if disk else
+        "; with --spill the tmpfs and the disk together"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,11 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shm", default="/dev/shm")
     ap.add_argument("--margin-gb", type=float, default=6.0)
     ap.add_argument("--keep-ram-gb", type=float, default=40.0)
+    ap.add_argument("--spill", action="store_true",
+                    help="when tmpfs alone is too small, the tmpfs first and --disk after it (extract.spill_dirs)")
     a = ap.parse_args(argv)
     offsets = Prepared(a.prepare_dir).offsets.tolist()
     shm_free = shutil.disk_usage(a.shm).free if Path(a.shm).is_dir() else 0.0
     overrides, why = place(offsets, a.bytes_per_token, shutil.disk_usage(a.disk).free, shm_free, mem_available(),
-                           a.margin_gb * GB, a.keep_ram_gb * GB, a.shm)
+                           a.margin_gb * GB, a.keep_ram_gb * GB, a.shm, str(Path(a.disk).resolve()) if a.spill else "")
     print(f"[place_states] {why}", file=sys.stderr)
     print(" ".join(overrides))
     return 0

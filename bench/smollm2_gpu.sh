@@ -39,8 +39,9 @@
 #               life; again: trains longer (it resumes from the last checkpoint); TRAIN_SECONDS set
 #               for this call replaces keep's training budget. Offline, the first train call puts the
 #               hidden states where they fit (bench/place_states.py: the disk, else /dev/shm when
-#               STATES_KEEP_RAM_GB (40) of memory stays free beside them, else the first conversations
-#               that fit the disk) and the later calls keep that; DRAFT_BACK=0 returns no draft weights
+#               STATES_KEEP_RAM_GB (40) of memory stays free beside them, else /dev/shm and then the
+#               disk ($RUN/eyas-spill, extract.spill_dirs), else the first conversations that fit the
+#               disk) and the later calls keep that; DRAFT_BACK=0 returns no draft weights
 #   evaluate    `eyas run --accept_partial=regenerate,train` (evaluate, summary)
 #   check       .carry/r2, .carry/cfg (SmolLM2's config + tokenizer, made by smollm2_carry.sh), after `keep`: graph tests,
 #               decoding speed, regenerate/extract/train rates on a random-weight SmolLM2-shaped target
@@ -231,8 +232,8 @@ train)
         $E run $R $DATA $(overrides) --stop_after=prepare --accept_partial=regenerate
         # states of an earlier placement would hide their own room from the measurement: gone first
         # (after keep or regenerate_rest only: new conversations, or a new run after keep again)
-        rm -rf $RUN/extract /dev/shm/eyas-extract
-        python3 bench/place_states.py $RUN/prepare --bytes-per-token $(( 4 * 576 * 2 + 5 )) --disk $RUN \
+        rm -rf $RUN/extract /dev/shm/eyas-extract $RUN/eyas-spill
+        python3 bench/place_states.py $RUN/prepare --bytes-per-token $(( 4 * 576 * 2 + 5 )) --disk $RUN --spill \
             --keep-ram-gb ${STATES_KEEP_RAM_GB:-40} > "$KEEP/states_placed.tmp"
         mv "$KEEP/states_placed.tmp" "$KEEP/states_placed"
         stamp "train overrides: $(overrides)"

@@ -1,5 +1,5 @@
 """bench/place_states.py decides where an offline run's hidden states go on the device machine: the
-disk, tmpfs, or the first conversations that fit the disk (session 11: the ~98 GB of states of
+disk, tmpfs, tmpfs and then the disk, or the first conversations that fit the disk (session 11: the ~98 GB of states of
 39,115 conversations would leave less memory beside them in tmpfs than the default 40 GB kept free)."""
 
 import sys
@@ -36,3 +36,20 @@ def test_no_room_for_even_the_first_conversation_is_an_error():
     with pytest.raises(SystemExit, match="no room"):
         place(OFFSETS, int(GB), disk_free=15 * GB, shm_free=0.0, ram_free=200 * GB, margin=6 * GB,
               keep_ram=40 * GB, shm="/dev/shm")
+
+
+def test_tmpfs_then_the_disk_when_neither_holds_the_states_alone():
+    """Session 12's next run: ~113 GB of states, 137 GB of tmpfs, 134 GB of memory, 68.7 GB of disk.
+    One min_free for both filesystems: what the tmpfs must keep for memory (137 - (134 - 30))."""
+    offsets = [0, 30, 60, 90, 113]
+    args = dict(disk_free=68.7 * GB, shm_free=137 * GB, ram_free=134 * GB, margin=6 * GB, keep_ram=30 * GB,
+                shm="/dev/shm")
+    overrides, why = place(offsets, int(GB), disk="/root/run", **args)
+    assert overrides == ["--extract.out_dir=/dev/shm/eyas-extract", "--extract.spill_dirs=[/root/run/eyas-spill]",
+                         "--extract.min_free_gb=33.0"], why
+    # 104 GB in the tmpfs + 35.7 on the disk: 139.7 GB hold 113, not 141
+    overrides, why = place([0, 30, 60, 90, 141], int(GB), disk="/root/run", **args)
+    assert overrides == ["--prepare.max_conversations=2"], why  # 60 tokens fit 68.7 - 6 GB of disk, 90 do not
+    # without a spill directory: the first conversations that fit the disk, as before
+    overrides, why = place(offsets, int(GB), **args)
+    assert overrides == ["--prepare.max_conversations=2"] and "with --spill" in why
