@@ -29,3 +29,19 @@ def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    """A directory on /dev/shm (a tmpfs: another filesystem than tmp_path's), removed afterwards:
+    extract.spill_dirs tests put the output directory there and spill onto tmp_path's disk."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if not Path("/dev/shm").is_dir() or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the test's tmp_path")
+    d = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="eyas-test-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

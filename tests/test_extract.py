@@ -423,19 +423,6 @@ def test_preflight_failures(tmp_path, prep, no_weights, smollm2_dir, monkeypatch
     fails(DataError, "no samples", prep_dir=empty)
 
 
-@pytest.fixture
-def shm_dir(tmp_path):
-    """A directory on /dev/shm (a tmpfs: another filesystem than tmp_path's), removed afterwards."""
-    import os
-    import tempfile
-
-    if not Path("/dev/shm").is_dir() or os.stat("/dev/shm").st_dev == os.stat(tmp_path).st_dev:
-        pytest.skip("needs /dev/shm on another filesystem than the test's tmp_path")
-    d = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="eyas-test-"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def test_spill_dirs_take_the_shards_that_do_not_fit(tmp_path, prep, tiny_dirs, shm_dir, capsys):
     """The output directory on a tmpfs that keeps extract.min_free_gb free after about three
     shards, a spill directory on the disk: the first shards stay in the tmpfs, the rest go to the

@@ -336,6 +336,39 @@ def test_offline_from_extract_shards_equals_online(tmp_path, smol_prep, tiny_tar
     assert losses["offline"] == pytest.approx(losses["online"], rel=1e-5)
 
 
+def test_offline_from_spilled_shards_equals_online(tmp_path, smol_prep, tiny_target, shm_dir):
+    """Shards split over a tmpfs output directory and a spill directory on the disk
+    (extract.spill_dirs): the trainer's checksum pass and reads find both kinds, and two offline
+    steps give the online losses."""
+    import shutil
+    from pathlib import Path
+
+    from eyas.extract import main as extract
+    from eyas.hidden_states import HiddenStates
+    from eyas.prepared import Prepared
+
+    out = shm_dir / "extract"
+    row = 4 * 64 * 4 + 5  # the tiny target: 3 aux layers + final, D=64, float32; id, mask
+    total = int(Prepared(smol_prep).offsets[-1]) * row
+    if shutil.disk_usage(tmp_path).free < shutil.disk_usage("/dev/shm").free + 10**8:
+        pytest.skip("needs more free space on tmp_path's disk than on /dev/shm")
+    min_free = shutil.disk_usage("/dev/shm").free - total // 2  # about half the shards fit the tmpfs
+    place = [f"--extract.out_dir={out}", f"--extract.spill_dirs=[{tmp_path / 'spill'}]"]
+    extract(train_config(tmp_path, f"--prepare.out_dir={smol_prep}", f"--target.model={tiny_target}",
+                         "--extract.progress=false", "--extract.token_budget=128", "--extract.shard_bytes=1",
+                         *place, f"--extract.min_free_gb={min_free / 1e9}"))
+    names = HiddenStates(out).shards
+    assert any(Path(n).is_absolute() for n in names) and not all(Path(n).is_absolute() for n in names), names
+    losses = {}
+    for mode in ("offline", "online"):
+        cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, f"--train.mode={mode}", f"--train.out_dir={tmp_path / mode}",
+                       "--train.max_steps=2", "--train.max_tokens=256", *place)
+        run(cfg)
+        losses[mode] = [r["loss"] for r in read_metrics(tmp_path / mode)]
+    assert len(losses["offline"]) == 2
+    assert losses["offline"] == pytest.approx(losses["online"], rel=1e-5)
+
+
 def test_non_finite_loss_stops_with_step_samples_and_term(tmp_path, smol_prep, tiny_target):
     from eyas.train.loop import TrainingDiverged
 
