@@ -11,8 +11,9 @@ all of ShareGPT regenerated ~73 GB, the machine's disk 64 GB): prints the eyas o
   --keep-ram-gb of memory allows, the disk keeping --margin-gb): --extract.out_dir=SHM/eyas-extract
   --extract.spill_dirs=[DISK/eyas-spill] --extract.min_free_gb=G, one G for both filesystems, the
   larger of what each must keep free;
-- else as many of the first conversations as fit the disk, counted from prepare's token offsets
-  (--prepare.max_conversations=N; extract checks the space itself before it writes anything).
+- else as many of the first conversations as fit (the disk; with --spill the tmpfs and the disk),
+  counted from prepare's token offsets (--prepare.max_conversations=N; extract checks the space
+  itself before it writes anything).
 Measured before any states of an earlier run are removed, free space would be short by their size:
 the caller removes them first (smollm2_gpu.sh does).
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 from eyas.prepared import Prepared
 
 GB = 1e9
+SHARD = 1e9  # extract.shard_bytes' default: shards are placed whole
 
 
 def mem_available() -> float:
@@ -53,7 +55,8 @@ def place(offsets: list[int], bytes_per_token: int, disk_free: float, shm_free: 
     shm_room = max(0.0, min(shm_free - margin, ram_free - keep_ram))
     min_free = max(shm_free - shm_room, margin)
     both = max(0.0, shm_free - min_free) + max(0.0, disk_free - min_free)
-    if disk and shm_free > 0 and need <= both:
+    slack = 2 * SHARD  # a shard that does not fit the tmpfs's rest goes to the disk whole
+    if disk and shm_free > 0 and need + slack <= both:
         return [f"--extract.out_dir={shm}/eyas-extract", f"--extract.spill_dirs=[{disk}/eyas-spill]",
                 f"--extract.min_free_gb={min_free / GB:.1f}"], (
             f"{need / GB:.1f} GB of states: into {shm} ({shm_free / GB:.1f} GB free, {ram_free / GB:.1f} GB of memory "
@@ -61,9 +64,16 @@ def place(offsets: list[int], bytes_per_token: int, disk_free: float, shm_free: 
             f"({disk_free / GB:.1f} GB free); {min_free / GB:.1f} GB kept free on each")
     # the first `fit` kept conversations fit; max_conversations counts records, of which prepare may
     # drop some, so the first `fit` records hold no more tokens than that
-    fit = bisect.bisect_right(offsets, (disk_free - margin) / bytes_per_token) - 1
+    room = both - slack if disk and shm_free > 0 else disk_free - margin
+    fit = bisect.bisect_right(offsets, room / bytes_per_token) - 1
     if fit < 1:
         raise SystemExit(f"no room for any hidden states: {disk_free / GB:.1f} GB free on the disk")
+    if disk and shm_free > 0:
+        return [*place(offsets[: fit + 1], bytes_per_token, disk_free, shm_free, ram_free, margin, keep_ram, shm,
+                       disk)[0], f"--prepare.max_conversations={fit}"], (
+            f"{need / GB:.1f} GB of states fit neither {shm} nor it and {disk} together ({both / GB:.1f} GB): "
+            f"the first {fit} of {conversations} conversations there; the last {conversations - fit} are left out "
+            "of training (to keep them: a smaller --keep-ram-gb, or --train.mode=online)")
     return [f"--prepare.max_conversations={fit}"], (
         f"{need / GB:.1f} GB of states fit neither the disk ({disk_free / GB:.1f} GB free) nor {shm} "
         f"({shm_free / GB:.1f} GB free, {ram_free / GB:.1f} GB of memory, {keep_ram / GB:.0f} GB of it to keep free): "

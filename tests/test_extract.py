@@ -424,11 +424,12 @@ def test_preflight_failures(tmp_path, prep, no_weights, smollm2_dir, monkeypatch
 
 
 def test_spill_dirs_take_the_shards_that_do_not_fit(tmp_path, prep, tiny_dirs, shm_dir, capsys):
-    """The output directory on a tmpfs that keeps extract.min_free_gb free after about three
-    shards, a spill directory on the disk: the first shards stay in the tmpfs, the rest go to the
-    disk (listed by absolute path), and every sample reads back as a plain forward computes it. A
-    leftover temp file in the spill directory is removed on resume; the spill directory refuses a
-    second output directory and the output directory itself."""
+    """The output directory on a tmpfs that keeps extract.min_free_gb free after about a third of
+    the shards, a spill directory on the disk: the first shards stay in the tmpfs, the rest go to
+    the disk (listed by absolute path), and every sample reads back as a plain forward computes it.
+    A leftover temp file in the spill directory is removed on resume; the spill directory refuses a
+    second output directory and the output directory itself; `eyas run` keys extract without the
+    spill settings, so changing them (as the no-room error advises) resumes instead of starting over."""
     model, out, spill = tiny_dirs("llama"), shm_dir / "extract", tmp_path / "spill"
     if shutil.disk_usage(tmp_path).free < shutil.disk_usage(shm_dir).free + 10**8:
         pytest.skip("needs more free space on tmp_path's disk than on /dev/shm (the disk takes what the tmpfs cannot)")
@@ -439,8 +440,9 @@ def test_spill_dirs_take_the_shards_that_do_not_fit(tmp_path, prep, tiny_dirs, s
     assert run_extract(tmp_path, prep, model, *base, "--extract.max_samples=4") == 0  # the tmpfs has room
     first = HiddenStates(out)
     assert all(not Path(s).is_absolute() for s in first.shards) and (spill / "eyas-spill.json").is_file()
-    # room in the tmpfs for about three more shards of <= 128 tokens
-    min_free = shutil.disk_usage(out).free - 3 * (4096 + 128 * row)
+    # room in the tmpfs for about a third of the rest (~0.8 MB: other writers to /dev/shm meanwhile would
+    # have to write that much to change where the shards go)
+    min_free = shutil.disk_usage(out).free - int(p.offsets[-1] - p.offsets[4]) * row // 3
     (spill / "shards").mkdir(exist_ok=True)
     (spill / "shards" / "r000-99999.safetensors.tmp").write_bytes(b"left by a kill")
     args = [*base, f"--extract.min_free_gb={min_free / 1e9}"]
@@ -463,6 +465,47 @@ def test_spill_dirs_take_the_shards_that_do_not_fit(tmp_path, prep, tiny_dirs, s
         run_extract(tmp_path / "other", prep, model, f"--extract.spill_dirs=[{spill}]")
     with pytest.raises(ConfigError, match="output directory itself"):
         run_extract(tmp_path, prep, model, f"--extract.out_dir={out}", f"--extract.spill_dirs=[{out}]")
+    from eyas.run import run_keys, stage_plan
+
+    def extract_key(*extra):
+        return run_keys(*stage_plan(load_config(None, overrides(tmp_path, prep, model, *extra))))["extract"]
+
+    plain = [a for a in base if "spill_dirs" not in a]
+    assert extract_key(*args) == extract_key(*plain) != extract_key(*plain, "--extract.shard_bytes=7")
+
+
+def test_shard_placer_counts_the_shards_being_written(tmp_path, shm_dir, monkeypatch):
+    """Shards open at once (two writer threads): each sees the others' unwritten bytes as taken, so
+    the third goes to the spill directory; with no room anywhere the error names the fix; a closed
+    shard's bytes are no longer counted. The output directory (disk) and the spill directory
+    (tmpfs) are real filesystems; their free space is set through shutil.disk_usage, because the
+    accounting, not the filesystems, is under test."""
+    from eyas.extract import store
+
+    out, spill = tmp_path / "out", (shm_dir / "spill").resolve()
+    out.mkdir()
+    spill.mkdir()
+    free = {out: 10**9 + 300_000_000, spill: 10**9 + 150_000_000}
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda d: shutil._ntuple_diskusage(0, 0, free[Path(d)]) if Path(d) in free else real(d))
+    placer = store.ShardPlacer(out, [spill], min_free=10**9, check=True)
+
+    def make(name):
+        return store.ShardWriter(out, name, 1, 1000, torch.float32, torch.zeros(25_000, dtype=torch.int32),
+                                 torch.zeros(25_000, dtype=torch.uint8))  # 100.1 MB planned
+
+    a = placer.open_shard(0, 0, 25_000, 4000, make)  # out keeps 1 GB: 300 MB of room
+    b = placer.open_shard(0, 1, 25_000, 4000, make)  # 200 MB of it left: still out
+    c = placer.open_shard(0, 2, 25_000, 4000, make)  # 100 MB left, less than the shard: spill
+    assert a.name == "shards/r000-00000.safetensors" == store.shard_name(0, 0) and b.name == store.shard_name(0, 1)
+    assert c.name == str(spill / "shards" / "r000-00002.safetensors") and c.path == Path(c.name)
+    with pytest.raises(ArtifactError, match=r"no room for shard shards/r000-00003.*extract.spill_dirs.*re-run"):
+        placer.open_shard(0, 3, 25_000, 4000, make)  # spill's 150 MB of room less c's 100 MB
+    for w in (a, c):
+        w.abort()
+        placer.closed(w)
+    assert placer.open_shard(0, 3, 25_000, 4000, make).name == store.shard_name(0, 3)
 
 
 def test_preflight_counts_every_filesystem_less_min_free(tmp_path, prep, tiny_dirs, shm_dir):

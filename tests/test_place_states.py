@@ -47,9 +47,14 @@ def test_tmpfs_then_the_disk_when_neither_holds_the_states_alone():
     overrides, why = place(offsets, int(GB), disk="/root/run", **args)
     assert overrides == ["--extract.out_dir=/dev/shm/eyas-extract", "--extract.spill_dirs=[/root/run/eyas-spill]",
                          "--extract.min_free_gb=33.0"], why
-    # 104 GB in the tmpfs + 35.7 on the disk: 139.7 GB hold 113, not 141
+    # 104 GB in the tmpfs + 35.7 on the disk: 139.7 GB (less 2 GB for shards placed whole) hold 113,
+    # not 141: the first 3 conversations, and those 90 GB fit the tmpfs alone
     overrides, why = place([0, 30, 60, 90, 141], int(GB), disk="/root/run", **args)
-    assert overrides == ["--prepare.max_conversations=2"], why  # 60 tokens fit 68.7 - 6 GB of disk, 90 do not
+    assert overrides == ["--extract.out_dir=/dev/shm/eyas-extract", "--prepare.max_conversations=3"], why
+    overrides, why = place([0, 30, 60, 100, 120, 141], int(GB), disk="/root/run", **args)
+    assert overrides == ["--extract.out_dir=/dev/shm/eyas-extract", "--extract.spill_dirs=[/root/run/eyas-spill]",
+                         "--extract.min_free_gb=33.0", "--prepare.max_conversations=4"], why
+    assert "the last 1 are left out" in why
     # without a spill directory: the first conversations that fit the disk, as before
     overrides, why = place(offsets, int(GB), **args)
     assert overrides == ["--prepare.max_conversations=2"] and "with --spill" in why

@@ -84,12 +84,17 @@ class ExtractConfig:
     spill_dirs: list[str] = field(default_factory=list)
     """More directories for shards, tried in order after the output directory: each new shard goes to
     the first one whose filesystem keeps extract.min_free_gb free beside it (a tmpfs first and a
-    disk after it, say). The index lists their shards by absolute path, so they are read where they
-    are; each holds the shards of one output directory (its eyas-spill.json names which)."""
+    disk after it, say; the output directory keeps at least 256 MB for its index and meta). The
+    index lists their shards by absolute path, so they are read where they are: every process that
+    reads the states must see them there (not a node-local tmpfs on another node). Each holds the
+    shards of one output directory (its eyas-spill.json names which); files in it that no journal
+    lists are deleted at the start of a run."""
     min_free_gb: float = 0.0
-    """GB every filesystem the shards go to keeps free (on a tmpfs that is memory the training job
-    and the OS still need). 0 with no extract.spill_dirs: no check per shard (the stage still
-    refuses to start when the whole extract does not fit the free space)."""
+    """GB every filesystem the shards go to keeps free. A tmpfs's free space is its size limit less
+    what it holds, not memory: to keep M GB of memory, keep (tmpfs free - (MemAvailable - M)) free
+    there (bench/place_states.py does). Shards other ranks are writing are not counted: keep a
+    margin of ranks x 2 x extract.shard_bytes. 0 with no extract.spill_dirs: no check per shard (the
+    stage still refuses to start when the whole extract does not fit the free space)."""
 
     def __post_init__(self) -> None:
         require(all(k >= 0 for k in self.layer_ids), f"extract.layer_ids={self.layer_ids}: ids must be >= 0")
@@ -113,7 +118,6 @@ class ExtractConfig:
         require(self.writer_queue >= 1, f"extract.writer_queue={self.writer_queue} must be >= 1")
         require(self.min_free_gb >= 0, f"extract.min_free_gb={self.min_free_gb} must be >= 0")
         require(all(d.strip() for d in self.spill_dirs), f"extract.spill_dirs={self.spill_dirs} has an empty entry")
-        require(len(set(self.spill_dirs)) == len(self.spill_dirs), f"extract.spill_dirs={self.spill_dirs} has duplicates")
         for key in ("vllm_tensor_parallel_size", "vllm_pipeline_parallel_size"):
             require(getattr(self, key) >= 1, f"extract.{key}={getattr(self, key)} must be >= 1")
         require(self.vllm_max_model_len >= 0,

@@ -154,6 +154,10 @@ def preflight(cfg: EyasConfig, device: torch.device, world_size: int, rank: int 
     entries = store.read_journals(out)
     done = store.done_samples(entries)
     remaining = [i for i in range(n) if i not in done]
+    if spill:  # before the free space is measured (every rank: no rank writes before the barrier)
+        removed = store.clean_spill(spill, {e["shard"] for e in entries})
+        if removed:
+            _log(rank, f"removed {removed} shard file(s) no journal lists from {', '.join(map(str, spill))}")
     setup = Setup(out, prepared, layer_ids, num_layers, hidden, compute, stored, fingerprint, list(range(n)),
                   entries, remaining, spill, int(ec.min_free_gb * 1e9))
     _check_disk(setup, rank, world_size, n)
@@ -171,17 +175,17 @@ def _check_writable(out: Path) -> None:
         ) from None
 
 
-def room(dirs: list[Path], min_free: int) -> tuple[int, list[str]]:
-    """Bytes the shards may take in `dirs`, each filesystem counted once and keeping `min_free` free;
-    -> (bytes, one 'DIR: N GB free' line per filesystem)."""
+def room(dirs: list[tuple[Path, int]]) -> tuple[int, list[str]]:
+    """Bytes the shards may take in (directory, bytes to keep free) pairs, each filesystem counted
+    once (with the first pair's keep); -> (bytes, one 'N GB free at DIR' line per filesystem)."""
     total, lines, seen = 0, [], set()
-    for d in dirs:
+    for d, keep in dirs:
         dev = os.stat(d).st_dev
         if dev in seen:
             continue
         seen.add(dev)
         free = shutil.disk_usage(d).free
-        total += max(0, free - min_free)
+        total += max(0, free - keep)
         lines.append(f"{free / 1e9:.1f} GB free at {d}")
     return total, lines
 
@@ -189,7 +193,8 @@ def room(dirs: list[Path], min_free: int) -> tuple[int, list[str]]:
 def _check_disk(s: Setup, rank: int, world_size: int, n: int) -> None:
     tokens = int(s.prepared.lengths[s.remaining].sum()) if s.remaining else 0
     need = tokens * (s.bytes_per_token + 5)  # + int32 ids and uint8 mask per token
-    free, lines = room([s.out, *s.spill], s.min_free)
+    out_keep = max(s.min_free, store.OUT_RESERVE) if s.spill else s.min_free
+    free, lines = room([(s.out, out_keep), *((d, s.min_free) for d in s.spill)])
     k = len(s.layer_ids)
     _log(rank, f"{len(s.remaining):,} of {n:,} samples to extract ({tokens:,} tokens) on {world_size} rank(s); "
                f"layers {s.layer_ids} + final, D={s.hidden}, {str(s.store_dtype).removeprefix('torch.')}")

@@ -55,31 +55,61 @@ SPILL_MARKER = "eyas-spill.json"
 
 
 def claim_spill_dirs(out: Path, spill_dirs: list[str]) -> list[Path]:
-    """The spill directories, resolved, created and marked as serving `out`; ConfigError when one
-    is the output directory, is not writable, or already serves another output directory (their
-    shard names would collide and each run's cleanup would delete the other's shards)."""
+    """The spill directories, resolved, created, checked writable and marked as serving `out`;
+    ConfigError when one is the output directory, a duplicate, not writable, or already serves
+    another output directory (their shard names would collide and each run's cleanup would delete
+    the other's shards)."""
+    import tempfile
+
+    from eyas.artifacts import atomic_write_json
+
     owner = str(out.resolve())
-    dirs = []
+    dirs: list[Path] = []
     for d in spill_dirs:
         path = Path(d).expanduser().resolve()
-        if path == out.resolve():
-            raise ConfigError(f"extract.spill_dirs: {d} is the output directory itself; name other directories")
+        if path == out.resolve() or path in dirs:
+            raise ConfigError(f"extract.spill_dirs: {d} is {'the output directory itself' if path == out.resolve() else 'named twice'}; "
+                              "name other directories")
         marker = path / SPILL_MARKER
         try:
             path.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path):
+                pass
             if marker.is_file():
-                serves = json.loads(marker.read_text()).get("out_dir")
+                try:
+                    serves = json.loads(marker.read_text())["out_dir"]
+                except (ValueError, KeyError, TypeError) as e:
+                    raise ConfigError(f"extract.spill_dirs: {marker} is not an eyas spill marker ({type(e).__name__}: {e}): "
+                                      "name another directory") from None
                 if serves != owner:
-                    raise ConfigError(f"extract.spill_dirs: {path} holds the shards of {serves}, not of {owner}: "
-                                      "give this output directory a spill directory of its own (or delete that one)")
+                    raise ConfigError(
+                        f"extract.spill_dirs: {path} holds the shards of the extract in {serves}, not of {owner}: give "
+                        "this output directory a spill directory of its own (that extract's index lists the shards there)")
             else:
-                from eyas.artifacts import atomic_write_json
-
                 atomic_write_json(marker, {"out_dir": owner})
         except OSError as e:
             raise ConfigError(f"extract.spill_dirs: cannot write to {path} ({e.strerror or e}): choose another") from None
         dirs.append(path)
     return dirs
+
+
+def clean_spill(spill: list[Path], listed: set[str]) -> int:
+    """Delete every shard file in the spill directories that no journal lists, whatever its rank
+    (the markers prove the files are this output directory's: left by a kill, by an output
+    directory removed to start over, or by a run with more ranks); -> how many. Before the free
+    space is measured, so that they do not count as used."""
+    removed = 0
+    for d in spill:
+        for f in (d / SHARD_DIR).glob("r*-*"):
+            if str(d / SHARD_DIR / f.name) not in listed:
+                f.unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
+OUT_RESERVE = 256 * 10**6
+"""Bytes the output directory's filesystem keeps free when shards spill (at least): its journals,
+index.json (MBs for 100k samples), meta.json and errors.jsonl are written after the shards."""
 
 
 def shard_bytes(num_tokens: int, row_bytes: int) -> int:
@@ -123,7 +153,8 @@ class ShardPlacer:
             dev = os.stat(d).st_dev
             pending = sum(w.bytes - w.offset for dv, w in self.open.values() if dv == dev)
             free = shutil.disk_usage(d).free
-            if free - pending - size >= self.min_free:
+            keep = max(self.min_free, OUT_RESERVE) if d == self.out else self.min_free
+            if free - pending - size >= keep:
                 return d
             seen.append(f"{d} {free / 1e9:.2f} GB free ({pending / 1e9:.2f} GB of it promised to shards being written)")
         raise ArtifactError(
