@@ -11,9 +11,9 @@ all of ShareGPT regenerated ~73 GB, the machine's disk 64 GB): prints the eyas o
   --keep-ram-gb of memory allows, the disk keeping --margin-gb): --extract.out_dir=SHM/eyas-extract
   --extract.spill_dirs=[DISK/eyas-spill] --extract.min_free_gb=G, one G for both filesystems, the
   larger of what each must keep free;
-- else as many of the first conversations as fit (the disk; with --spill the tmpfs and the disk),
-  counted from prepare's token offsets (--prepare.max_conversations=N; extract checks the space
-  itself before it writes anything).
+- else as many of the first conversations as fit one of those ways (the most for which one
+  does), counted from prepare's token offsets (--prepare.max_conversations=N beside that way's
+  overrides; extract checks the space itself before it writes anything).
 Measured before any states of an earlier run are removed, free space would be short by their size:
 the caller removes them first (smollm2_gpu.sh does).
 """
@@ -39,47 +39,57 @@ def mem_available() -> float:
     raise RuntimeError("/proc/meminfo has no MemAvailable line")
 
 
-def place(offsets: list[int], bytes_per_token: int, disk_free: float, shm_free: float,
-          ram_free: float, margin: float, keep_ram: float, shm: str, disk: str = "") -> tuple[list[str], str]:
-    """offsets: prepare's cumulative token counts (conversation i holds offsets[i]..offsets[i+1]);
-    disk: the run directory (the spill directory goes in it; empty = no spilling); -> (overrides, why)."""
-    conversations, need = len(offsets) - 1, offsets[-1] * bytes_per_token
+def fits(need: float, bytes_per_token: int, disk_free: float, shm_free: float, ram_free: float, margin: float,
+         keep_ram: float, shm: str, disk: str) -> tuple[list[str], str] | None:
+    """Where `need` bytes of states go whole: (overrides, where), or None when nowhere."""
     if need + margin <= disk_free:
-        return [], f"{need / GB:.1f} GB of states fit the disk ({disk_free / GB:.1f} GB free)"
+        return [], f"fit the disk ({disk_free / GB:.1f} GB free)"
     if need + margin <= shm_free and ram_free - need >= keep_ram:
         return [f"--extract.out_dir={shm}/eyas-extract"], (
-            f"{need / GB:.1f} GB of states: not on the disk ({disk_free / GB:.1f} GB free), into {shm} "
-            f"({shm_free / GB:.1f} GB free, {ram_free / GB:.1f} GB of memory available)")
+            f"not on the disk ({disk_free / GB:.1f} GB free): into {shm} ({shm_free / GB:.1f} GB free, "
+            f"{ram_free / GB:.1f} GB of memory available)")
+    if not disk or shm_free <= 0:
+        return None
     # tmpfs, then the disk: extract keeps one min_free on each filesystem, so the tmpfs keeps what
     # the memory needs (its free space less the room memory allows) and the disk at least the margin
     shm_room = max(0.0, min(shm_free - margin, ram_free - keep_ram))
     min_free = max(shm_free - shm_room, margin)
     both = max(0.0, shm_free - min_free) + max(0.0, disk_free - min_free)
-    slack = 2 * SHARD  # a shard that does not fit the tmpfs's rest goes to the disk whole
-    if disk and shm_free > 0 and need + slack <= both:
-        return [f"--extract.out_dir={shm}/eyas-extract", f"--extract.spill_dirs=[{disk}/eyas-spill]",
-                f"--extract.min_free_gb={min_free / GB:.1f}"], (
-            f"{need / GB:.1f} GB of states: into {shm} ({shm_free / GB:.1f} GB free, {ram_free / GB:.1f} GB of memory "
-            f"available, {keep_ram / GB:.0f} GB of it to keep free), the rest to {disk}/eyas-spill "
-            f"({disk_free / GB:.1f} GB free); {min_free / GB:.1f} GB kept free on each")
-    # the first `fit` kept conversations fit; max_conversations counts records, of which prepare may
-    # drop some, so the first `fit` records hold no more tokens than that
-    room = both - slack if disk and shm_free > 0 else disk_free - margin
-    fit = bisect.bisect_right(offsets, room / bytes_per_token) - 1
-    if fit < 1:
-        raise SystemExit(f"no room for any hidden states: {disk_free / GB:.1f} GB free on the disk")
-    if disk and shm_free > 0:
-        return [*place(offsets[: fit + 1], bytes_per_token, disk_free, shm_free, ram_free, margin, keep_ram, shm,
-                       disk)[0], f"--prepare.max_conversations={fit}"], (
-            f"{need / GB:.1f} GB of states fit neither {shm} nor it and {disk} together ({both / GB:.1f} GB): "
-            f"the first {fit} of {conversations} conversations there; the last {conversations - fit} are left out "
-            "of training (to keep them: a smaller --keep-ram-gb, or --train.mode=online)")
-    return [f"--prepare.max_conversations={fit}"], (
-        f"{need / GB:.1f} GB of states fit neither the disk ({disk_free / GB:.1f} GB free) nor {shm} "
-        f"({shm_free / GB:.1f} GB free, {ram_free / GB:.1f} GB of memory, {keep_ram / GB:.0f} GB of it to keep free): "
-        f"the first {fit} of {conversations} conversations; the last {conversations - fit} are left out of training "
-        f"(to keep them: a smaller --keep-ram-gb, or --train.mode=online)" + ("" if disk else
-        "; with --spill the tmpfs and the disk together"))
+    if need + 2 * SHARD > both:  # a shard that does not fit the tmpfs's rest goes to the disk whole
+        return None
+    return [f"--extract.out_dir={shm}/eyas-extract", f"--extract.spill_dirs=[{disk}/eyas-spill]",
+            f"--extract.min_free_gb={min_free / GB:.1f}"], (
+        f"into {shm} ({shm_free / GB:.1f} GB free, {ram_free / GB:.1f} GB of memory available, {keep_ram / GB:.0f} GB "
+        f"of it to keep free), the rest to {disk}/eyas-spill ({disk_free / GB:.1f} GB free); {min_free / GB:.1f} GB "
+        "kept free on each")
+
+
+def place(offsets: list[int], bytes_per_token: int, disk_free: float, shm_free: float,
+          ram_free: float, margin: float, keep_ram: float, shm: str, disk: str = "") -> tuple[list[str], str]:
+    """offsets: prepare's cumulative token counts (conversation i holds offsets[i]..offsets[i+1]);
+    disk: the run directory (the spill directory goes in it; empty = no spilling); -> (overrides, why)."""
+    room = (bytes_per_token, disk_free, shm_free, ram_free, margin, keep_ram, shm, disk)
+    conversations, need = len(offsets) - 1, offsets[-1] * bytes_per_token
+    whole = fits(need, *room)
+    if whole is not None:
+        return whole[0], f"{need / GB:.1f} GB of states: {whole[1]}"
+    # the most first conversations that fit somewhere (fits() holds for every shorter prefix too);
+    # max_conversations counts records, of which prepare may drop some, so the first `fit` records
+    # hold no more tokens than that
+    lo, hi = 0, conversations  # fits(offsets[lo]) (0 tokens fit), not fits(offsets[hi])
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(offsets[mid] * bytes_per_token, *room) is not None else (lo, mid)
+    if lo < 1:
+        raise SystemExit(f"no room for any hidden states: {disk_free / GB:.1f} GB free on the disk, "
+                         f"{shm_free / GB:.1f} GB in {shm}")
+    overrides, where = fits(offsets[lo] * bytes_per_token, *room)
+    return [*overrides, f"--prepare.max_conversations={lo}"], (
+        f"{need / GB:.1f} GB of states fit nowhere ({disk_free / GB:.1f} GB free on the disk, {shm_free / GB:.1f} GB in "
+        f"{shm}, {ram_free / GB:.1f} GB of memory, {keep_ram / GB:.0f} GB of it to keep free): the first {lo} of "
+        f"{conversations} conversations, {offsets[lo] * bytes_per_token / GB:.1f} GB, {where}; the last "
+        f"{conversations - lo} are left out of training (to keep them: a smaller --keep-ram-gb, or --train.mode=online"
+        + (")" if disk else "; or --spill, the tmpfs and the disk together)"))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,6 +55,12 @@ def test_tmpfs_then_the_disk_when_neither_holds_the_states_alone():
     assert overrides == ["--extract.out_dir=/dev/shm/eyas-extract", "--extract.spill_dirs=[/root/run/eyas-spill]",
                          "--extract.min_free_gb=33.0", "--prepare.max_conversations=4"], why
     assert "the last 1 are left out" in why
-    # without a spill directory: the first conversations that fit the disk, as before
+    # without a spill directory: the first conversations that fit the disk or the tmpfs alone
     overrides, why = place(offsets, int(GB), **args)
-    assert overrides == ["--prepare.max_conversations=2"] and "with --spill" in why
+    assert overrides == ["--extract.out_dir=/dev/shm/eyas-extract", "--prepare.max_conversations=3"], why
+    assert "or --spill" in why
+    # little memory: the tmpfs keeps so much free that the disk (one min_free for both) takes
+    # nothing beside it; the fallback still keeps what the disk alone holds (60 GB: 2 conversations)
+    for ram in (50, 80):
+        overrides, why = place(offsets, int(GB), disk="/root/run", **{**args, "ram_free": ram * GB})
+        assert overrides == ["--prepare.max_conversations=2"] and "fit the disk" in why, (ram, why)

@@ -87,14 +87,16 @@ class ExtractConfig:
     disk after it, say; the output directory keeps at least 256 MB for its index and meta). The
     index lists their shards by absolute path, so they are read where they are: every process that
     reads the states must see them there (not a node-local tmpfs on another node). Each holds the
-    shards of one output directory (its eyas-spill.json names which); files in it that no journal
-    lists are deleted at the start of a run."""
+    shards of one output directory (its eyas-spill.json names which); when the stage runs, shard
+    files in it that no journal lists (or listed with another size) are deleted first, and one a
+    journal lists at a path that is gone (a moved spill directory) stops the run."""
     min_free_gb: float = 0.0
     """GB every filesystem the shards go to keeps free. A tmpfs's free space is its size limit less
     what it holds, not memory: to keep M GB of memory, keep (tmpfs free - (MemAvailable - M)) free
-    there (bench/place_states.py does). Shards other ranks are writing are not counted: keep a
-    margin of ranks x 2 x extract.shard_bytes. 0 with no extract.spill_dirs: no check per shard (the
-    stage still refuses to start when the whole extract does not fit the free space)."""
+    there (bench/place_states.py does). Shards other ranks are writing are not counted: add
+    (ranks - 1) x 2 shards (extract.shard_bytes, or one batch when larger). 0 with no
+    extract.spill_dirs: no check per shard (the stage still refuses to start when the whole extract
+    does not fit the free space)."""
 
     def __post_init__(self) -> None:
         require(all(k >= 0 for k in self.layer_ids), f"extract.layer_ids={self.layer_ids}: ids must be >= 0")

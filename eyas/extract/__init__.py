@@ -152,12 +152,12 @@ def preflight(cfg: EyasConfig, device: torch.device, world_size: int, rank: int 
     store.check_run(out, fingerprint)
     n = min(len(prepared), ec.max_samples) if ec.max_samples else len(prepared)
     entries = store.read_journals(out)
-    done = store.done_samples(entries)
-    remaining = [i for i in range(n) if i not in done]
     if spill:  # before the free space is measured (every rank: no rank writes before the barrier)
-        removed = store.clean_spill(spill, {e["shard"] for e in entries})
+        removed = store.clean_spill(out, spill, entries)
         if removed:
             _log(rank, f"removed {removed} shard file(s) no journal lists from {', '.join(map(str, spill))}")
+    done = store.done_samples(entries)
+    remaining = [i for i in range(n) if i not in done]
     setup = Setup(out, prepared, layer_ids, num_layers, hidden, compute, stored, fingerprint, list(range(n)),
                   entries, remaining, spill, int(ec.min_free_gb * 1e9))
     _check_disk(setup, rank, world_size, n)
@@ -447,7 +447,7 @@ def prepare_resume(setup: Setup, rank: int, world_size: int) -> None:
     ranks = [rank] + (sorted({e["rank"] for e in setup.entries} - set(range(world_size))) if rank == 0 else [])
     for r in ranks:
         store.rewrite_journal(setup.out, r, setup.entries)
-    removed = store.clean_unlisted(setup.out, ranks, {e["shard"] for e in setup.entries}, setup.spill)
+    removed = store.clean_unlisted(setup.out, ranks, {e["shard"] for e in setup.entries})
     if removed:
         print(f"[eyas:extract] rank {rank}: removed {removed} incomplete shard file(s) of an interrupted run", flush=True)
     if rank == 0:

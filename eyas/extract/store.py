@@ -83,8 +83,8 @@ def claim_spill_dirs(out: Path, spill_dirs: list[str]) -> list[Path]:
                                       "name another directory") from None
                 if serves != owner:
                     raise ConfigError(
-                        f"extract.spill_dirs: {path} holds the shards of the extract in {serves}, not of {owner}: give "
-                        "this output directory a spill directory of its own (that extract's index lists the shards there)")
+                        f"extract.spill_dirs: {path} serves the extract in {serves}, not {owner}: give this output "
+                        f"directory a spill directory of its own (or, if that extract is gone, delete {marker})")
             else:
                 atomic_write_json(marker, {"out_dir": owner})
         except OSError as e:
@@ -93,18 +93,33 @@ def claim_spill_dirs(out: Path, spill_dirs: list[str]) -> list[Path]:
     return dirs
 
 
-def clean_spill(spill: list[Path], listed: set[str]) -> int:
-    """Delete every shard file in the spill directories that no journal lists, whatever its rank
-    (the markers prove the files are this output directory's: left by a kill, by an output
-    directory removed to start over, or by a run with more ranks); -> how many. Before the free
-    space is measured, so that they do not count as used."""
+def clean_spill(out: Path, spill: list[Path], entries: list[dict[str, Any]]) -> int:
+    """Delete every shard file in the spill directories that is not one of `entries`' files (by
+    device and inode, so a spill path reached another way still matches), whatever its rank: the
+    markers prove the files are this output directory's, left by a kill, by an output directory
+    removed to start over, by a run with more ranks, or listed with another size. Runs before the
+    free space is measured, so that they do not count as used. A file that a journal lists at a
+    path that is gone is not deleted: ConfigError (a moved spill directory); -> how many."""
+    keep = {_identity(out / e["shard"]) for e in entries}
+    listed_at = {Path(name).name: out / name for name in journal_names(out)}
     removed = 0
     for d in spill:
         for f in (d / SHARD_DIR).glob("r*-*"):
-            if str(d / SHARD_DIR / f.name) not in listed:
-                f.unlink(missing_ok=True)
-                removed += 1
+            if _identity(f) in keep:
+                continue
+            was = listed_at.get(f.name)
+            if was is not None and not was.exists():
+                raise ConfigError(
+                    f"{f}: the journals of {out} list this shard at {was}, which is gone: was the spill directory "
+                    "moved? Put it back where it was, or extract into a new output directory")
+            f.unlink(missing_ok=True)
+            removed += 1
     return removed
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 OUT_RESERVE = 256 * 10**6
@@ -153,14 +168,14 @@ class ShardPlacer:
             dev = os.stat(d).st_dev
             pending = sum(w.bytes - w.offset for dv, w in self.open.values() if dv == dev)
             free = shutil.disk_usage(d).free
-            keep = max(self.min_free, OUT_RESERVE) if d == self.out else self.min_free
+            keep = max(self.min_free, OUT_RESERVE) if d == self.out and len(self.dirs) > 1 else self.min_free
             if free - pending - size >= keep:
                 return d
             seen.append(f"{d} {free / 1e9:.2f} GB free ({pending / 1e9:.2f} GB of it promised to shards being written)")
         raise ArtifactError(
             f"no room for shard {base} ({size / 1e9:.2f} GB) keeping extract.min_free_gb={self.min_free / 1e9:g} free: "
             f"{'; '.join(seen)}; add a directory on another filesystem to --extract.spill_dirs, free space, or lower "
-            "extract.min_free_gb, then re-run the same command (the shards written so far are kept)"
+            "extract.min_free_gb, then run the stage again (the shards written so far are kept)"
         )
 
 
@@ -287,17 +302,27 @@ def read_journals(out: Path) -> list[dict[str, Any]]:
     return entries
 
 
-def clean_unlisted(out: Path, ranks: list[int], listed: set[str], spill: list[Path] = ()) -> int:
-    """Delete temp files and unlisted shards of `ranks` (left by a kill), in the output directory
-    and in its spill directories; -> how many."""
+def journal_names(out: Path) -> list[str]:
+    """The shard names of every journal line, listed shards or not (a torn line is skipped)."""
+    names = []
+    for path in sorted((out / PROGRESS_DIR).glob("r*.jsonl")):
+        for line in path.read_text(encoding="utf-8").split("\n"):
+            try:
+                names.append(json.loads(line)["shard"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+    return names
+
+
+def clean_unlisted(out: Path, ranks: list[int], listed: set[str]) -> int:
+    """Delete temp files and unlisted shards of `ranks` (left by a kill) in the output directory
+    (its spill directories: `clean_spill`); -> how many."""
     removed = 0
-    for d in [out, *spill]:
-        for rank in ranks:
-            for f in (d / SHARD_DIR).glob(f"r{rank:03d}-*"):
-                name = f"{SHARD_DIR}/{f.name}" if d == out else str(d / SHARD_DIR / f.name)
-                if name not in listed:
-                    f.unlink(missing_ok=True)
-                    removed += 1
+    for rank in ranks:
+        for f in (out / SHARD_DIR).glob(f"r{rank:03d}-*"):
+            if f"{SHARD_DIR}/{f.name}" not in listed:
+                f.unlink(missing_ok=True)
+                removed += 1
     return removed
 
 
