@@ -193,8 +193,7 @@ def room(dirs: list[tuple[Path, int]]) -> tuple[int, list[str]]:
 def _check_disk(s: Setup, rank: int, world_size: int, n: int) -> None:
     tokens = int(s.prepared.lengths[s.remaining].sum()) if s.remaining else 0
     need = tokens * (s.bytes_per_token + 5)  # + int32 ids and uint8 mask per token
-    out_keep = max(s.min_free, store.OUT_RESERVE) if s.spill else s.min_free
-    free, lines = room([(s.out, out_keep), *((d, s.min_free) for d in s.spill)])
+    free, lines = room(store.free_to_keep(s.out, s.spill, s.min_free))
     k = len(s.layer_ids)
     _log(rank, f"{len(s.remaining):,} of {n:,} samples to extract ({tokens:,} tokens) on {world_size} rank(s); "
                f"layers {s.layer_ids} + final, D={s.hidden}, {str(s.store_dtype).removeprefix('torch.')}")

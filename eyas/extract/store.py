@@ -127,6 +127,13 @@ OUT_RESERVE = 256 * 10**6
 index.json (MBs for 100k samples), meta.json and errors.jsonl are written after the shards."""
 
 
+def free_to_keep(out: Path, spill: list[Path], min_free: int) -> list[tuple[Path, int]]:
+    """(directory, bytes its filesystem keeps free) for the output directory, then the spill
+    directories: min_free on each, and at least OUT_RESERVE on the output directory's when
+    spilling. The preflight's room and ShardPlacer's choice both use it."""
+    return [(out, max(min_free, OUT_RESERVE) if spill else min_free), *((d, min_free) for d in spill)]
+
+
 def shard_bytes(num_tokens: int, row_bytes: int) -> int:
     """A shard's size on disk, its header (< 1 KB, padded) rounded up to 4 KB."""
     return 4096 + num_tokens * (row_bytes + 5)  # states, int32 ids, uint8 mask
@@ -140,7 +147,8 @@ class ShardPlacer:
     directory, as before spilling existed. Thread-safe: the writer threads open shards at once."""
 
     def __init__(self, out: Path, spill: list[Path], min_free: int, check: bool):
-        self.out, self.dirs, self.min_free, self.check = out, [out, *spill], min_free, check
+        self.out, self.min_free, self.check = out, min_free, check
+        self.dirs = free_to_keep(out, spill, min_free)
         self.open: dict[int, tuple[int, "ShardWriter"]] = {}  # id(writer) -> (device, writer)
         self.lock = threading.Lock()
 
@@ -164,11 +172,10 @@ class ShardPlacer:
 
     def _choose(self, size: int, base: str) -> Path:
         seen = []
-        for d in self.dirs:
+        for d, keep in self.dirs:
             dev = os.stat(d).st_dev
             pending = sum(w.bytes - w.offset for dv, w in self.open.values() if dv == dev)
             free = shutil.disk_usage(d).free
-            keep = max(self.min_free, OUT_RESERVE) if d == self.out and len(self.dirs) > 1 else self.min_free
             if free - pending - size >= keep:
                 return d
             seen.append(f"{d} {free / 1e9:.2f} GB free ({pending / 1e9:.2f} GB of it promised to shards being written)")

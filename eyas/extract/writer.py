@@ -148,6 +148,7 @@ class Writer:
                  threads: int = WRITER_THREADS, placer: store.ShardPlacer | None = None):
         self.out, self.rank, self.first_number, self.shards = out, rank, first_number, shards
         self.placer = placer or store.ShardPlacer(out, [], 0, check=False)
+        self.row_bytes = num_layers * hidden * torch.empty((), dtype=dtype).element_size()
         self.prepared, self.num_layers, self.hidden, self.dtype = prepared, num_layers, hidden, dtype
         self.copier, self.failures = copier, failures
         n = max(1, min(threads, len(shards)))
@@ -213,9 +214,8 @@ class Writer:
                 indices = [i for b in batches for i in b.indices]
                 samples = [self.prepared[i] for i in indices]
                 ids = torch.cat([x["input_ids"] for x in samples])
-                row_bytes = self.num_layers * self.hidden * torch.empty((), dtype=self.dtype).element_size()
                 current = self.placer.open_shard(
-                    self.rank, self.first_number + s, ids.numel(), row_bytes,
+                    self.rank, self.first_number + s, ids.numel(), self.row_bytes,
                     lambda name: store.ShardWriter(self.out, name, self.num_layers, self.hidden, self.dtype,
                                                    ids, torch.cat([x["loss_mask"] for x in samples])))
                 name = current.name
