@@ -214,16 +214,29 @@ def test_eyas_evaluate_end_to_end(tiny_run, capsys):
     assert [(rec["id"], rec["turn"]) for rec in r["records"]] == [("1", 0), ("1", 1), ("2", 0)]
     assert all(rec["chain"]["lossless"] and rec["tree"]["lossless"] for rec in r["records"])
     assert read_meta(out, "evaluate")["counts"]["prompts"] == 3
-    assert "P(accept | reached)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "P(accept | reached)" in printed
+    # the progress line after the last question pools what results.json pools
+    (last,) = [line for line in printed.splitlines() if line.startswith("[eyas:evaluate] 2/2 questions in ")]
+    target_tokens = sum(rec["target_only"]["output_tokens"] for rec in r["records"])
+    assert f"target-only {target_tokens:,} tok in " in last
+    for mode in ("chain", "tree"):
+        assert f"{mode} tau {r['modes'][mode]['tau']:.3f} over {r['modes'][mode]['verify_passes']:,} passes" in last
+    assert set(r["phase_s"]) == {"decode", "compare", "teacher_forced"} and all(v >= 0 for v in r["phase_s"].values())
+    assert "teacher-forced check on 3 prompts" in printed
 
 
-def test_time_budget_cuts_every_mode_at_the_same_question(tiny_run):
+def test_time_budget_cuts_every_mode_at_the_same_question(tiny_run, monkeypatch, capsys):
+    from eyas import evaluate
     from eyas.cli import main
 
     root, _ = tiny_run
     out = root / "budget"
+    monkeypatch.setattr(evaluate, "PROGRESS_EVERY_S", 0.0)  # a line after every question
     assert main(_args(root, "--mode=both", "--max_seconds=1e-6", f"--out_dir={out}")) == 0
     r = json.loads((out / "results.json").read_text())
+    lines = [line for line in capsys.readouterr().out.splitlines() if " questions in " in line]
+    assert len(lines) == 1 and lines[0].startswith("[eyas:evaluate] 1/2 questions in ")  # once, where it stopped
     assert (r["num_questions"], r["questions_requested"], r["stopped_early"]) == (1, 2, True)
     assert r["num_prompts"] == 2 and [(rec["id"], rec["turn"]) for rec in r["records"]] == [("1", 0), ("1", 1)]
     assert all(rec["chain"]["lossless"] and rec["tree"]["lossless"] for rec in r["records"])
