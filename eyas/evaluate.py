@@ -498,6 +498,33 @@ def teacher_forced_chain(
     }
 
 
+def decode_questions(
+    s: Setup, decoders: dict[str | None, Callable[[torch.Tensor], Generation]], questions: list[dict[str, Any]],
+    max_seconds: float,
+) -> tuple[dict[str | None, list[dict[str, Any]]], int, float]:
+    """Every decoder on every question, in order, within `max_seconds` (0 = none) -> (each decoder's
+    runs, questions done, seconds), with a progress line every PROGRESS_EVERY_S and where it ends."""
+    runs: dict[str | None, list[dict[str, Any]]] = {m: [] for m in decoders}
+    t0, longest, done = time.perf_counter(), 0.0, 0
+    shown, shown_done = t0, 0  # when the last progress line was printed, and after how many questions
+    for q in questions:  # every decoder finishes a question before the next: a budget cuts all alike
+        if done and max_seconds and time.perf_counter() - t0 + longest > max_seconds:
+            print(f"[eyas:evaluate] evaluate.max_seconds={max_seconds:g} reached after {done} of "
+                  f"{len(questions)} questions", flush=True)
+            break
+        tq = time.perf_counter()
+        for m, gen in decoders.items():
+            runs[m] += run_conversations(gen, s.tok, [q], s.device, s.stop_ids)
+        longest, done = max(longest, time.perf_counter() - tq), done + 1
+        if time.perf_counter() - shown >= PROGRESS_EVERY_S:
+            # a call killed from outside (a lease's limit) still shows how far it got and where τ stood
+            print(progress_line(runs, done, len(questions), time.perf_counter() - t0), flush=True)
+            shown, shown_done = time.perf_counter(), done
+    if shown_done != done:  # the last question, or where the budget stopped
+        print(progress_line(runs, done, len(questions), time.perf_counter() - t0), flush=True)
+    return runs, done, time.perf_counter() - t0
+
+
 def main(cfg: EyasConfig) -> dict[str, Any]:
     ec = cfg.evaluate
     out_dir = cfg.stage_dir("evaluate")
@@ -514,25 +541,8 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     names = ", ".join("target-only" if m is None else m for m in decoders)
     print(f"[eyas:evaluate] {len(questions)} questions ({sum(len(q['turns']) for q in questions)} prompts), each "
           f"decoded by: {names}", flush=True)
-    runs: dict[str | None, list[dict[str, Any]]] = {m: [] for m in decoders}
-    t0, longest, done = time.perf_counter(), 0.0, 0
-    shown, shown_done = t0, 0  # when the last progress line was printed, and after how many questions
-    for q in questions:  # every decoder finishes a question before the next: a budget cuts all alike
-        if done and ec.max_seconds and time.perf_counter() - t0 + longest > ec.max_seconds:
-            print(f"[eyas:evaluate] evaluate.max_seconds={ec.max_seconds:g} reached after {done} of "
-                  f"{len(questions)} questions", flush=True)
-            break
-        tq = time.perf_counter()
-        for m, gen in decoders.items():
-            runs[m] += run_conversations(gen, s.tok, [q], s.device, s.stop_ids)
-        longest, done = max(longest, time.perf_counter() - tq), done + 1
-        if time.perf_counter() - shown >= PROGRESS_EVERY_S:
-            # a call killed from outside (a lease's limit) still shows how far it got and where τ stood
-            print(progress_line(runs, done, len(questions), time.perf_counter() - t0), flush=True)
-            shown, shown_done = time.perf_counter(), done
-    if shown_done != done:  # the last question, or where the budget stopped
-        print(progress_line(runs, done, len(questions), time.perf_counter() - t0), flush=True)
-    phase_s = {"decode": time.perf_counter() - t0}
+    runs, done, decode_s = decode_questions(s, decoders, questions, ec.max_seconds)
+    phase_s: dict[str, float | None] = {"decode": decode_s, "teacher_forced": None}
     base_runs = runs.pop(None, None)
     spec_runs = runs
     rel_tol = tie_tolerance(ec, s.dtype)

@@ -236,7 +236,13 @@ def test_time_budget_cuts_every_mode_at_the_same_question(tiny_run, monkeypatch,
     assert main(_args(root, "--mode=both", "--max_seconds=1e-6", f"--out_dir={out}")) == 0
     r = json.loads((out / "results.json").read_text())
     lines = [line for line in capsys.readouterr().out.splitlines() if " questions in " in line]
-    assert len(lines) == 1 and lines[0].startswith("[eyas:evaluate] 1/2 questions in ")  # once, where it stopped
+    assert len(lines) == 1 and lines[0].startswith("[eyas:evaluate] 1/2 questions in ")  # not again where it stopped
+    monkeypatch.setattr(evaluate, "PROGRESS_EVERY_S", 1e9)  # no timed line: the one where the budget stopped it
+    assert main(_args(root, "--mode=tree", "--max_seconds=1e-6", f"--out_dir={root / 'budget_tree'}")) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " questions in " in line]
+    assert len(lines) == 1 and lines[0].startswith("[eyas:evaluate] 1/2 questions in ") and " tree tau " in lines[0]
+    tree_only = json.loads((root / "budget_tree" / "results.json").read_text())
+    assert tree_only["phase_s"]["teacher_forced"] is None and tree_only["teacher_forced"] is None  # no chain: no check
     assert (r["num_questions"], r["questions_requested"], r["stopped_early"]) == (1, 2, True)
     assert r["num_prompts"] == 2 and [(rec["id"], rec["turn"]) for rec in r["records"]] == [("1", 0), ("1", 1)]
     assert all(rec["chain"]["lossless"] and rec["tree"]["lossless"] for rec in r["records"])
