@@ -225,9 +225,10 @@ def progress_line(runs: dict[str | None, list[dict[str, Any]]], done: int, total
         if mode is None:
             parts.append(f"target-only {sum(len(r['gen'].tokens) for r in rs):,} tok in {wall:.1f} s")
         else:
-            passes = sum(r["gen"].stats.verify_passes for r in rs)
-            tau = sum(r["gen"].stats.new_tokens for r in rs) / passes if passes else 0.0
-            parts.append(f"{mode} tau {tau:.3f} over {passes:,} passes in {wall:.1f} s")
+            pooled = SpecStats()  # pooled as collect_results pools them
+            for r in rs:
+                pooled.merge(r["gen"].stats)
+            parts.append(f"{mode} tau {pooled.tau:.3f} over {pooled.verify_passes:,} passes in {wall:.1f} s")
     return f"[eyas:evaluate] {done}/{total} questions in {elapsed_s:.0f} s: " + ", ".join(parts)
 
 
