@@ -266,7 +266,8 @@ train)
     xdir=$(overrides | grep -o -- "--extract.out_dir=[^ ]*" | tail -n1 | cut -d= -f2- || true)  # where place_states put them
     xdir=${xdir:-$RUN/extract}
     [[ ! -f $xdir/meta.json ]] || cp "$xdir/meta.json" /tmp/train_files/extract_meta.json
-    cp $RUN/export/sglang/config.json /tmp/train_files/export_sglang_config.json
+    # (no sglang layout for a multi-layer draft: TRAIN_ARGS has --export.format=speculators then)
+    [[ ! -f $RUN/export/sglang/config.json ]] || cp $RUN/export/sglang/config.json /tmp/train_files/export_sglang_config.json
     cp $RUN/export/speculators/config.json /tmp/train_files/export_speculators_config.json
     tar -C /tmp/train_files -cf "$OUT/train_files.tar" .
     # the exported draft itself (bf16: ~47 MB, 63 MB at intermediate_size 6144) in parts under the

@@ -9,6 +9,10 @@ layers, H heads, Hkv kv heads, d head dim, W draft vocab, V target vocab.
     midlayer.self_attn.{q,k,v}_proj  Linear(2D -> H*d / Hkv*d): input cat([norm(emb), norm(h)])
     midlayer.self_attn.o_proj  Linear(H*d -> D)
     midlayer.post_attention_layernorm, midlayer.mlp.{gate,up,down}_proj  (Llama gated MLP)
+    extra_layers.{i}        draft layer i+1 when num_layers > 1: a plain Llama decoder layer
+                            (input_layernorm, self_attn.{q,k,v}_proj Linear(D -> ..), o_proj,
+                            post_attention_layernorm, mlp) on the residual stream of the layer
+                            before it (vLLM's multi-layer EAGLE-3, llama_eagle3.py `layer_idx > 0`)
     norm                    final RMSNorm(D)
     lm_head                 Linear(D -> W, no bias)
     d2t int64 [W], t2d bool [V]   vocab mapping buffers (saved)
@@ -16,9 +20,12 @@ layers, H heads, Hkv kv heads, d head dim, W draft vocab, V target vocab.
 
 The residual around attention is the **un-normed** h (the reference); with
 `norm_before_residual=True` it is hidden_norm(h) (the variant some vLLM/speculators checkpoints
-use). `forward_step` returns the pre-norm output (fed back as h at the next draft step) and the
-keys/values of this step, so callers own their caches: training-time test (eyas.train.ttt) concatenates
-step blocks with a diagonal mask; speculative decoding (eyas.spec) keeps an ordinary KV cache.
+use). `forward_step` returns the pre-norm output of the last layer (fed back as h at the next draft
+step) and the keys/values of this step, so callers own their caches: training-time test
+(eyas.train.ttt) concatenates step blocks with a diagonal mask; speculative decoding (eyas.spec)
+keeps an ordinary KV cache. With num_layers = L > 1 the keys/values of all layers travel as one
+tensor with L*Hkv heads (layer l owns heads l*Hkv .. (l+1)*Hkv - 1): every cache stays a single
+[B, L*Hkv, P, d] tensor along the sequence axis, and every layer sees the same positions and mask.
 
 This module knows nothing of distribution (DDP/FSDP wrap it from outside).
 """
@@ -52,6 +59,7 @@ class DraftConfig:
     hidden_act: str = "silu"
     norm_before_residual: bool = False
     aux_layer_ids: list[int] = field(default_factory=list)
+    num_layers: int = 1
 
     @classmethod
     def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int], **overrides: Any) -> "DraftConfig":
@@ -173,20 +181,19 @@ def flex_attention(q_BHSd, k_BHPd, v_BHPd, block_mask, enable_gqa: bool) -> torc
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, in_dim: int):
         super().__init__()
-        d2 = 2 * cfg.hidden_size
         self.h, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(d2, self.h * self.d, bias=False)
-        self.k_proj = nn.Linear(d2, self.hkv * self.d, bias=False)
-        self.v_proj = nn.Linear(d2, self.hkv * self.d, bias=False)
+        self.q_proj = nn.Linear(in_dim, self.h * self.d, bias=False)
+        self.k_proj = nn.Linear(in_dim, self.hkv * self.d, bias=False)
+        self.v_proj = nn.Linear(in_dim, self.hkv * self.d, bias=False)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
 
-    def qkv(self, x_BS2D: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        b, s, _ = x_BS2D.shape
-        q = self.q_proj(x_BS2D).view(b, s, self.h, self.d).transpose(1, 2)
-        k = self.k_proj(x_BS2D).view(b, s, self.hkv, self.d).transpose(1, 2)
-        v = self.v_proj(x_BS2D).view(b, s, self.hkv, self.d).transpose(1, 2)
+    def qkv(self, x_BSI: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, s, _ = x_BSI.shape
+        q = self.q_proj(x_BSI).view(b, s, self.h, self.d).transpose(1, 2)
+        k = self.k_proj(x_BSI).view(b, s, self.hkv, self.d).transpose(1, 2)
+        v = self.v_proj(x_BSI).view(b, s, self.hkv, self.d).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q_BHSd, k_BHPd, v_BHPd, mask_BSP) -> torch.Tensor:
@@ -221,12 +228,25 @@ class MLP(nn.Module):
 
 
 class Eagle3Layer(nn.Module):
+    """Draft layer 0: attention over cat(norm(embedding), norm(h)), 2D wide."""
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, 2 * cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+class DecoderLayer(nn.Module):
+    """Draft layers 1..L-1: a plain pre-norm Llama decoder layer on the residual stream."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -236,7 +256,10 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = cfg
         self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        if cfg.num_layers < 1:
+            raise ValueError(f"num_layers={cfg.num_layers}: a draft has at least one layer")
         self.midlayer = Eagle3Layer(cfg)
+        self.extra_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers - 1))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.rotary = Rotary(cfg)
@@ -278,7 +301,8 @@ class Eagle3Draft(nn.Module):
         mask_BSP: bool [B or 1, S, P+S] (True = attend) or a FlexAttention BlockMask over the
         P+S keys; None with no past means causal. kv_len: zero-pad the keys/values to this length
         (fixed shapes for FlexAttention; the mask must block the padding).
-        Returns (prenorm_BSD: the output fed back as h; k_BHSd, v_BHSd of this step, after RoPE).
+        Returns (prenorm_BSD: the output fed back as h; k_BHSd, v_BHSd of this step, after RoPE;
+        with L layers H = L*Hkv, layer by layer).
         """
         layer = self.midlayer
         emb = self.embed(input_ids_BS).to(h_BSD.dtype)
@@ -286,19 +310,29 @@ class Eagle3Draft(nn.Module):
         residual = h_normed if layer.norm_before_residual else h_BSD
         x = torch.cat([layer.input_layernorm(emb), h_normed], dim=-1)
         cos, sin = self.rotary(x, position_ids_BS)
-        q, k, v = layer.self_attn.qkv(x, cos, sin)
-        k_all = k if past_k is None else torch.cat([past_k, k], dim=2)
-        v_all = v if past_v is None else torch.cat([past_v, v], dim=2)
-        if kv_len > k_all.shape[2]:
-            k_all = F.pad(k_all, (0, 0, 0, kv_len - k_all.shape[2]))
-            v_all = F.pad(v_all, (0, 0, 0, kv_len - v_all.shape[2]))
         if mask_BSP is None:
             assert past_k is None, "a mask is required when past keys are given"
-            s = q.shape[2]
-            mask_BSP = torch.ones(s, s, dtype=torch.bool, device=q.device).tril().unsqueeze(0)
-        hidden = residual + layer.self_attn.attend(q, k_all, v_all, mask_BSP)
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return hidden, k, v
+            s = x.shape[1]
+            mask_BSP = torch.ones(s, s, dtype=torch.bool, device=x.device).tril().unsqueeze(0)
+        hkv = layer.self_attn.hkv
+        keys, values = [], []
+        for i, block in enumerate([layer, *self.extra_layers]):
+            if i > 0:
+                residual, x = hidden, block.input_layernorm(hidden)
+            q, k, v = block.self_attn.qkv(x, cos, sin)
+            keys.append(k)
+            values.append(v)
+            past = slice(i * hkv, (i + 1) * hkv)
+            k_all = k if past_k is None else torch.cat([past_k[:, past], k], dim=2)
+            v_all = v if past_v is None else torch.cat([past_v[:, past], v], dim=2)
+            if kv_len > k_all.shape[2]:
+                k_all = F.pad(k_all, (0, 0, 0, kv_len - k_all.shape[2]))
+                v_all = F.pad(v_all, (0, 0, 0, kv_len - v_all.shape[2]))
+            hidden = residual + block.self_attn.attend(q, k_all, v_all, mask_BSP)
+            hidden = hidden + block.mlp(block.post_attention_layernorm(hidden))
+        if len(keys) == 1:
+            return hidden, keys[0], values[0]
+        return hidden, torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
     def logits(self, prenorm_BSD: torch.Tensor) -> torch.Tensor:
         """Draft-vocab logits [.., W] from the pre-norm output."""

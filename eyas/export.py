@@ -121,7 +121,31 @@ SPECULATORS_KEYS = {
     "d2t": "d2t",
     "t2d": "t2d",
 }
+# draft layers 1.. (num_layers > 1; vLLM's multi-layer EAGLE-3 only): eyas `extra_layers.{i}` is
+# the exported `layers.{i+1}` (vLLM llama_eagle3.py builds layer j > 0 with a D-wide qkv_proj and no
+# hidden_norm)
+SPECULATORS_EXTRA_LAYER_KEYS = {
+    "extra_layers.{}.input_layernorm.weight": "layers.{}.input_layernorm.weight",
+    "extra_layers.{}.self_attn.q_proj.weight": "layers.{}.self_attn.q_proj.weight",
+    "extra_layers.{}.self_attn.k_proj.weight": "layers.{}.self_attn.k_proj.weight",
+    "extra_layers.{}.self_attn.v_proj.weight": "layers.{}.self_attn.v_proj.weight",
+    "extra_layers.{}.self_attn.o_proj.weight": "layers.{}.self_attn.o_proj.weight",
+    "extra_layers.{}.post_attention_layernorm.weight": "layers.{}.post_attention_layernorm.weight",
+    "extra_layers.{}.mlp.gate_proj.weight": "layers.{}.mlp.gate_proj.weight",
+    "extra_layers.{}.mlp.up_proj.weight": "layers.{}.mlp.up_proj.weight",
+    "extra_layers.{}.mlp.down_proj.weight": "layers.{}.mlp.down_proj.weight",
+}
 KEY_TABLES = {"sglang": SGLANG_KEYS, "speculators": SPECULATORS_KEYS}
+
+
+def key_table(fmt: str, num_layers: int = 1) -> dict[str, str]:
+    """eyas state_dict name -> exported name for a draft of `num_layers` layers."""
+    table = dict(KEY_TABLES[fmt])
+    if num_layers > 1:
+        assert fmt == "speculators", "only the speculators layout has more than one draft layer"
+        for i in range(num_layers - 1):
+            table.update({k.format(i): v.format(i + 1) for k, v in SPECULATORS_EXTRA_LAYER_KEYS.items()})
+    return table
 
 
 # --- aux-layer-id conventions -------------------------------------------------------------------
@@ -179,7 +203,7 @@ def _layer_fields(c: DraftConfig, dtype: str) -> dict[str, Any]:
         "model_type": "llama",
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads,
         "head_dim": c.head_dim,
@@ -238,6 +262,11 @@ def speculators_config(c: DraftConfig, dtype: str, verifier: str, verifier_arch:
 def check_layout_supported(c: DraftConfig, fmt: str) -> None:
     if fmt != "sglang":
         return
+    if c.num_layers != 1:
+        raise ArtifactError(
+            f"SGLang's llama_eagle3.py builds exactly one draft layer; this draft has {c.num_layers}: "
+            "export with --export.format=speculators (vLLM serves multi-layer EAGLE-3 drafts)"
+        )
     if c.num_aux_layers != 3:
         raise ArtifactError(
             f"SGLang's llama_eagle3.py hard-codes 3 aux layers (fc input = 3 * target_hidden_size); this draft "
@@ -311,7 +340,7 @@ def export_draft(
                 raise ConfigError("the speculators layout names its verifier: pass verifier= (the target's path or hub id)")
             cfg = speculators_config(c, dtype, verifier, verifier_arch or [], num_speculative_tokens)
         path = Path(out_dir) / fmt
-        write_layout(path, cfg, export_tensors(model, KEY_TABLES[fmt], DTYPES[dtype]))
+        write_layout(path, cfg, export_tensors(model, key_table(fmt, c.num_layers), DTYPES[dtype]))
         written[fmt] = path
     return written
 
@@ -353,6 +382,7 @@ def exported_draft_config(config: dict[str, Any]) -> DraftConfig:
         hidden_act=layer["hidden_act"],
         norm_before_residual=config["norm_before_residual"],
         aux_layer_ids=hf_ids,
+        num_layers=layer.get("num_hidden_layers", 1),
     )
 
 
@@ -363,7 +393,7 @@ def load_exported(directory: str | Path, embed_weight_VD: torch.Tensor | None = 
         raise ArtifactError(f"{d} is not an exported draft (needs {CONFIG} and {WEIGHTS}): run `eyas export`")
     config = json.loads((d / CONFIG).read_text())
     cfg = exported_draft_config(config)
-    inverse = {v: k for k, v in KEY_TABLES[detect_layout(config)].items()}
+    inverse = {v: k for k, v in key_table(detect_layout(config), cfg.num_layers).items()}
     tensors = load_file(str(d / WEIGHTS))
     unknown = sorted(set(tensors) - set(inverse))
     if unknown:

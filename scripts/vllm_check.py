@@ -13,8 +13,9 @@ RESULT.json, per run: greedy `outputs` (token ids per prompt), the spec-decode c
 (`num_drafts`, `num_draft_tokens`, `num_accepted_tokens`, `accepted_per_pos`; deltas over this
 run's generate call), and for draft runs `inspect`: what vLLM actually built, read inside the
 worker: the target's aux layers, the drafter class, its residual-norm variant, RoPE base, the
-d2t it loaded, whether it shares the target's embedding, and each exported tensor checked against
-the layer that serves it (functional checks: vLLM's CPU linears repack their weights).
+d2t it loaded, whether it shares the target's embedding, its number of draft layers, and each
+exported tensor (every layer's) checked against the layer that serves it (functional checks: vLLM's
+CPU linears repack their weights).
 
 All engines run in this one process one after another (VLLM_ENABLE_V1_MULTIPROCESSING=0), so
 imports are paid once. The code sits under `if __name__ == "__main__":` because vLLM may start
@@ -47,6 +48,20 @@ VLLM_SERVING = {
     "norm.weight": ("model.norm.weight", "weight", None),
     "lm_head.weight": ("lm_head.weight", "weight", None),
 }
+
+
+def serving_table(names) -> dict:
+    """VLLM_SERVING plus, for each further draft layer j of a multi-layer export (`layers.j.*`,
+    j >= 1), the same entries at model.layers.j (those layers have no hidden_norm)."""
+    table = dict(VLLM_SERVING)
+    for name in names:
+        parts = name.split(".")
+        if parts[0] == "layers" and parts[1] != "0":
+            path, kind, shard = VLLM_SERVING["midlayer." + ".".join(parts[2:])]
+            table[name] = (path.replace("model.layers.0.", f"model.layers.{parts[1]}."), kind, shard)
+    return table
+
+
 SPEC_METRICS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -99,7 +114,7 @@ def inspect_worker(worker, exported_path: str) -> dict:
     dtype = drafter.model.norm.weight.dtype
     checks = {}
     with torch.no_grad():
-        for name, (path, kind, shard) in VLLM_SERVING.items():
+        for name, (path, kind, shard) in serving_table(tensors).items():
             w = tensors[name].float()
             obj = drafter
             for part in path.split("."):
@@ -120,6 +135,7 @@ def inspect_worker(worker, exported_path: str) -> dict:
     rope = layer.self_attn.rotary_emb
     return {
         "drafter": type(drafter).__name__,
+        "num_draft_layers": len(drafter.model.layers),
         "target_aux_layers": [int(i) for i in getattr(target.model, "aux_hidden_state_layers", [])],
         "residual_norm": layer._residual_norm.__name__,
         "rope_base": float(getattr(rope, "base", float("nan"))),

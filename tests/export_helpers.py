@@ -106,7 +106,7 @@ def greedy_sequences(target, prompts_ids: list[list[int]], max_new_tokens: int) 
 def fitted_draft(
     target, sequences: list[list[int]], aux_layer_ids=(2, 15, 27), draft_vocab: int = 512,
     steps: int = 50, ttt_steps: int = 3, lr: float = 3e-3, seed: int = 0, intermediate_size: int = 512,
-    decoy_shifts: tuple[int, ...] = (-1, 1),
+    decoy_shifts: tuple[int, ...] = (-1, 1), num_layers: int = 1,
 ) -> Eagle3Draft:  # fmt: skip
     """Fit a draft to the target's greedy predictions on `sequences` (packed, 3-step TTT).
 
@@ -141,7 +141,8 @@ def fitted_draft(
     sel = np.sort(np.concatenate([used, rng.choice(rest, size=draft_vocab - used.size, replace=False)]))
     d2t, t2d = d2t_t2d(sel, tcfg.vocab_size)
     torch.manual_seed(seed)
-    cfg = DraftConfig.from_target(tcfg, draft_vocab_size=draft_vocab, aux_layer_ids=list(aux_layer_ids), intermediate_size=intermediate_size)
+    cfg = DraftConfig.from_target(tcfg, draft_vocab_size=draft_vocab, aux_layer_ids=list(aux_layer_ids),
+                                  intermediate_size=intermediate_size, num_layers=num_layers)
     draft = Eagle3Draft(cfg, target.get_input_embeddings().weight.float())
     draft.set_vocab(d2t, t2d)
     # step i at row t reads token t+1+i and predicts the target's argmax after it

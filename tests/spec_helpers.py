@@ -41,12 +41,13 @@ def tiny_llama(vocab=16, hidden=32, layers=4, seed=0, attn="sdpa", logit_scale=1
     return model.requires_grad_(False)
 
 
-def random_draft(target, aux_layer_ids=(0, 1, 2), draft_tokens=None, seed=0, logit_scale=1.0) -> Eagle3Draft:
+def random_draft(target, aux_layer_ids=(0, 1, 2), draft_tokens=None, seed=0, logit_scale=1.0, num_layers=1) -> Eagle3Draft:
     """An untrained Eagle3Draft sized from the target; W = V, or the given target ids as draft vocab."""
     torch.manual_seed(seed)
     v = target.config.vocab_size
     sel = np.arange(v) if draft_tokens is None else np.sort(np.asarray(draft_tokens))
-    cfg = DraftConfig.from_target(target.config, draft_vocab_size=len(sel), aux_layer_ids=list(aux_layer_ids))
+    cfg = DraftConfig.from_target(target.config, draft_vocab_size=len(sel), aux_layer_ids=list(aux_layer_ids),
+                                  num_layers=num_layers)
     draft = Eagle3Draft(cfg, target.get_input_embeddings().weight)
     draft.set_vocab(*d2t_t2d(sel, v))
     with torch.no_grad():

@@ -180,3 +180,68 @@ def test_embedding_is_frozen_and_never_saved(tmp_path):
     assert "embed_weight" not in load_file(str(tmp_path / "draft.safetensors"))
     back = load_draft(tmp_path, m.embed_weight.clone())
     torch.testing.assert_close(back.forward_step(ids, h, pos)[0], m.forward_step(ids, h, pos)[0])
+
+
+def test_extra_layers_are_hf_llama_decoder_layers():
+    """num_layers = 3: layer 0 as above, then each further layer must be transformers' own
+    LlamaDecoderLayer (the layer vLLM's multi-layer EAGLE-3 stacks after the first) with the same
+    weights, causal, on the residual stream; the keys/values of all layers come stacked by head."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    cfg = small_cfg(num_layers=3)
+    m = random_draft(cfg)
+    assert len(m.extra_layers) == 2 and m.extra_layers[0].self_attn.q_proj.in_features == cfg.hidden_size
+    assert not hasattr(m.extra_layers[0], "hidden_norm")
+    s = 6
+    ids = torch.randint(0, cfg.vocab_size, (s,))
+    h = torch.randn(s, cfg.hidden_size, dtype=torch.float64) * 3
+    pos = torch.tensor([3, 4, 5, 6, 7, 8])
+    out, k, v = m.forward_step(ids[None], h[None], pos[None])
+    lcfg = LlamaConfig(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                       num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+                       head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+                       attention_bias=False, mlp_bias=False)
+    lcfg._attn_implementation = "eager"
+    cos, sin = LlamaRotaryEmbedding(lcfg)(h.float()[None], pos[None])
+    causal = torch.zeros(s, s, dtype=torch.float64).masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+    want = reference_step(m, ids, h, pos, False)[None]
+    for i, extra in enumerate(m.extra_layers):
+        hf = LlamaDecoderLayer(lcfg, layer_idx=i + 1).double()
+        hf.load_state_dict(extra.state_dict(), strict=True)
+        want = hf(want, attention_mask=causal[None, None], position_ids=pos[None],
+                  position_embeddings=(cos.double(), sin.double()))
+        want = want[0] if isinstance(want, tuple) else want
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert k.shape == v.shape == (1, 3 * cfg.num_key_value_heads, s, cfg.head_dim)
+    one = Eagle3Draft(small_cfg(), m.embed_weight).double()  # layer 0 alone: its keys come first
+    one.load_state_dict({k: t for k, t in m.state_dict().items() if not k.startswith("extra_layers.")})
+    _, k1, v1 = one.forward_step(ids[None], h[None], pos[None])
+    torch.testing.assert_close(k[:, : cfg.num_key_value_heads], k1)
+    torch.testing.assert_close(v[:, : cfg.num_key_value_heads], v1)
+
+
+def test_multi_layer_decoding_with_a_cache_matches_the_full_forward(tmp_path):
+    """Token by token with the stacked per-layer caches = one causal pass over all tokens; the
+    layer count survives save/load and old checkpoints (no num_layers) read as one layer."""
+    cfg = small_cfg(num_layers=2)
+    m = random_draft(cfg)
+    s = 7
+    ids, h, pos = torch.randint(0, 40, (1, s)), torch.randn(1, s, 32, dtype=torch.float64), torch.arange(s)[None]
+    full, k_all, v_all = m.forward_step(ids, h, pos)
+    out, kc, vc = m.forward_step(ids[:, :3], h[:, :3], pos[:, :3])
+    for t in range(3, s):
+        mask = torch.ones(1, 1, t + 1, dtype=torch.bool)
+        o, k, v = m.forward_step(ids[:, t : t + 1], h[:, t : t + 1], pos[:, t : t + 1], kc, vc, mask)
+        kc, vc = torch.cat([kc, k], 2), torch.cat([vc, v], 2)
+        out = torch.cat([out, o], 1)
+    torch.testing.assert_close(out, full, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(kc, k_all, rtol=1e-10, atol=1e-10)
+    save_draft(m, tmp_path)
+    assert json.loads((tmp_path / "draft_config.json").read_text())["num_layers"] == 2
+    back = load_draft(tmp_path, m.embed_weight.clone()).double()
+    torch.testing.assert_close(back.forward_step(ids, h, pos)[0], full)
+    old = json.loads((tmp_path / "draft_config.json").read_text())
+    del old["num_layers"]
+    save_draft(random_draft(small_cfg()), tmp_path)
+    (tmp_path / "draft_config.json").write_text(json.dumps(old))
+    assert load_draft(tmp_path).config.num_layers == 1

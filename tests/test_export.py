@@ -14,6 +14,7 @@ from eyas.errors import ArtifactError, ConfigError
 from eyas.export import (
     SGLANG_KEYS,
     SPECULATORS_KEYS,
+    key_table,
     check_against_stages,
     export_draft,
     load_exported,
@@ -188,6 +189,8 @@ def test_sglang_layout_matches_sglang_loader(draft, tmp_path):
 
 
 def test_sglang_layout_refuses_what_sglang_cannot_serve(tcfg, tmp_path):
+    with pytest.raises(ArtifactError, match="exactly one draft layer"):
+        export(random_draft(tcfg, num_layers=2), tmp_path, formats=("sglang",))
     with pytest.raises(ArtifactError, match="3 aux layers"):
         export(random_draft(tcfg, aux_layer_ids=[2, 10, 20, 27]), tmp_path, formats=("sglang",))
     with pytest.raises(ArtifactError, match="norm_before_residual"):
@@ -390,3 +393,30 @@ def test_cli_export_writes_both_layouts_and_refuses_a_mismatch(tcfg, prepared, t
     capsys.readouterr()
     assert cli(["export", str(tmp_path / "bad"), *args]) == 2
     assert "re-run `eyas train`" in capsys.readouterr().err
+
+
+# --- multi-layer drafts (vLLM only) --------------------------------------------------------------------
+
+
+def test_multi_layer_speculators_layout_round_trips_with_vllms_names(tcfg, tmp_path):
+    """num_layers = 3: layer 0 keeps layers.0.* (2D-wide qkv, hidden_norm), the others are
+    layers.1.* and layers.2.* with D-wide qkv and no hidden_norm (vLLM llama_eagle3.py
+    `layer_idx > 0`); transformer_layer_config says 3 layers; float32 reads back exactly."""
+    draft = random_draft(tcfg, num_layers=3).eval()
+    table = key_table("speculators", 3)
+    assert set(table) == set(draft.state_dict()) and len(set(table.values())) == len(table)
+    assert table["extra_layers.1.mlp.down_proj.weight"] == "layers.2.mlp.down_proj.weight"
+    assert key_table("speculators", 1) == SPECULATORS_KEYS
+    out = export(draft, tmp_path, formats=("speculators",), dtype="float32")["speculators"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 3
+    tensors = load_file(str(out / "model.safetensors"))
+    assert tensors["layers.0.self_attn.q_proj.weight"].shape == (576, 2 * 576)
+    for j in (1, 2):
+        assert tensors[f"layers.{j}.self_attn.q_proj.weight"].shape == (576, 576)
+        assert f"layers.{j}.hidden_norm.weight" not in tensors
+    back = load_exported(out)
+    assert back.config == draft.config and back.config.num_layers == 3
+    logits_a, ids_a = draft_outputs(draft)
+    logits_b, ids_b = draft_outputs(back)
+    assert torch.equal(logits_a, logits_b) and torch.equal(ids_a, ids_b)

@@ -16,10 +16,10 @@ from eyas.train.data import pack
 from eyas.train.ttt import naive_ttt, sdpa_masks, shift_left, ttt_forward, ttt_mask_mod
 
 
-def make_draft(norm_before_residual=False, seed=0) -> Eagle3Draft:
+def make_draft(norm_before_residual=False, seed=0, num_layers=1) -> Eagle3Draft:
     cfg = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
                       target_hidden_size=24, num_aux_layers=3, draft_vocab_size=30, vocab_size=60, rope_theta=10000.0,
-                      norm_before_residual=norm_before_residual)
+                      norm_before_residual=norm_before_residual, num_layers=num_layers)
     torch.manual_seed(seed)
     m = Eagle3Draft(cfg, torch.randn(60, 32)).double()
     for p in m.parameters():
@@ -37,9 +37,9 @@ def make_samples(lengths, seed=0):
     ]
 
 
-@pytest.mark.parametrize("num_steps,nbr", [(7, False), (3, True)])
-def test_ttt_matches_the_naive_autoregressive_loop(num_steps, nbr):
-    m = make_draft(nbr)
+@pytest.mark.parametrize("num_steps,nbr,num_layers", [(7, False, 1), (3, True, 1), (4, False, 2)])
+def test_ttt_matches_the_naive_autoregressive_loop(num_steps, nbr, num_layers):
+    m = make_draft(nbr, num_layers=num_layers)
     samples = make_samples([9, 4, 10])
     b = pack(samples, num_steps, max_tokens=100, pad_multiple=16)
     assert b.input_ids_BS.shape == (1, 32)
@@ -88,7 +88,8 @@ def test_flex_block_masks_match_sdpa():
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
-def test_flex_unroll_with_fixed_key_length_matches_the_naive_loop(monkeypatch):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_flex_unroll_with_fixed_key_length_matches_the_naive_loop(monkeypatch, num_layers):
     """The flex path as training runs it: every step over T*S keys (padding masked by the step
     tensor in the mask_mod), FlexAttention run eagerly on the CPU, against the naive loop."""
     import eyas.draft
@@ -99,7 +100,7 @@ def test_flex_unroll_with_fixed_key_length_matches_the_naive_loop(monkeypatch):
     monkeypatch.setattr(eyas.draft, "_flex_call", lambda q, k, v, bm, enable_gqa: flex_attention(
         q, k, v, block_mask=bm, enable_gqa=enable_gqa))
     num_steps = 3
-    m = make_draft()
+    m = make_draft(num_layers=num_layers)
     samples = make_samples([40, 25, 50])
     b = pack(samples, num_steps, max_tokens=200, pad_multiple=128)
     masks = flex_masks(b.doc_BS, num_steps, compile=False)

@@ -66,6 +66,12 @@ class EyasConfig:
         require(self.stop_after in ("",) + stages, f"stop_after={self.stop_after!r}: choose one of {', '.join(stages)}")
         for name in self.accept_partial_stages():
             require(name in ("regenerate", "train"), f"accept_partial: {name!r} is not regenerate or train")
+        # checked here, before any stage runs: the export stage would refuse it only after training
+        require(
+            self.train.num_layers == 1 or "sglang" not in self.export.formats,
+            f"train.num_layers={self.train.num_layers} with export.format={self.export.format!r}: SGLang serves "
+            "single-layer EAGLE-3 drafts only; add --export.format=speculators (vLLM serves multi-layer drafts)",
+        )
 
     def accept_partial_stages(self) -> list[str]:
         return [n.strip() for n in self.accept_partial.split(",") if n.strip()]

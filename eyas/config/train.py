@@ -84,6 +84,11 @@ class TrainConfig:
     """Draft head dimension (0 = the target's)."""
     intermediate_size: int = 0
     """Draft MLP width (0 = the target's)."""
+    num_layers: int = 1
+    """Draft decoder layers. 1 is EAGLE-3's single layer, which vLLM and SGLang both serve; more
+    stack plain Llama decoder layers after it (vLLM's multi-layer EAGLE-3): served by vLLM only, so
+    export them with --export.format=speculators. Each layer adds its attention and MLP to every
+    draft step."""
     rope_theta: float = 0.0
     """Draft RoPE base (0 = the target's; scaling always follows the target's config)."""
     norm_before_residual: bool = False
@@ -147,6 +152,7 @@ class TrainConfig:
         require(self.teacher_chunk >= 1, f"train.teacher_chunk={self.teacher_chunk} must be >= 1")
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
             require(getattr(self, name) >= 0, f"train.{name}={getattr(self, name)} must be >= 0 (0 = the target's)")
+        require(self.num_layers >= 1, f"train.num_layers={self.num_layers} must be >= 1")
         require(self.rope_theta >= 0, f"train.rope_theta={self.rope_theta} must be >= 0 (0 = the target's)")
         require(0.0 <= self.eval_fraction < 1.0, f"train.eval_fraction={self.eval_fraction} must lie in [0, 1)")
         for name in ("eval_every", "eval_max_batches", "save_every", "keep_checkpoints"):

@@ -111,6 +111,7 @@ def draft_config(cfg: EyasConfig, data: TrainData) -> DraftConfig:
         num_key_value_heads=tc.num_key_value_heads,
         head_dim=tc.head_dim,
         intermediate_size=tc.intermediate_size,
+        num_layers=tc.num_layers,
         rope_theta=tc.rope_theta,
         norm_before_residual=tc.norm_before_residual,
     )
