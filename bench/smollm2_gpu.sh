@@ -23,7 +23,8 @@
 #               TRAIN_SECONDS and EVAL_SECONDS (the budgets, 420 each), TRAIN_MODE (offline; online =
 #               no extract stage), TRAIN_COMPILE (default: measured here, the SmolLM2 draft's step
 #               eager vs compiled) and TRAIN_ARGS (more eyas overrides for every later phase, e.g.
-#               "--train.intermediate_size=6144": a wider draft)
+#               "--train.intermediate_size=6144": a wider draft; "--train.num_layers=2
+#               --export.format=speculators": two draft layers, which SGLang's layout cannot hold)
 #   regenerate_rest  .carry/p2 (the GGUF's second half) and .carry/r2 (sharegpt_rest: the ShareGPT
 #               conversations the committed file lacks): regenerated for REGEN_SECONDS (420) in their
 #               own run directory, with REGEN_ARGS (more eyas overrides, e.g. "--regenerate.self_prompts=8192":

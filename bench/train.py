@@ -16,6 +16,7 @@ events after warm-up. FLOPs are counted here, explicitly, from the shapes the st
     per TTT step  q/k/v 2*S*2D*(H+2Hkv)*d, o 2*S*H*d*D, mlp 2*S*3*D*I  (x3: forward + backward)
                   attention 4*H*d per allowed (query, key) pair of the TTT mask (causal pairs
                   inside each sample + the i diagonal keys), x3
+                  each further draft layer (--num-layers) the same with D-wide q/k/v
                   lm_head 2*M_i*D*W on the M_i loss rows only (x3)
     teacher       2*N*Dt*V on the N rows that need a teacher (forward only, no grad)
 
@@ -51,6 +52,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--intermediate", type=int, default=14336)
+    p.add_argument("--num-layers", type=int, default=1, help="draft decoder layers (train.num_layers)")
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--draft-vocab", type=int, default=32000)
     p.add_argument("--target-layers", type=int, default=32)
@@ -105,11 +107,12 @@ def count_flops(dcfg, batch, num_steps: int) -> dict[str, float]:
     H, Hkv, d = dcfg.num_attention_heads, dcfg.num_key_value_heads, dcfg.head_dim
     S = batch.input_ids_BS.numel()
     causal_pairs = sum(L * (L + 1) // 2 for L in batch.lengths) + (S - sum(batch.lengths)) ** 2 // 2  # padding too
+    L = dcfg.num_layers
     f = {"fc": 2 * 2 * S * K * Dt * D}
-    f["qkv"] = 3 * num_steps * 2 * S * 2 * D * (H + 2 * Hkv) * d
-    f["o"] = 3 * num_steps * 2 * S * H * d * D
-    f["mlp"] = 3 * num_steps * 2 * S * 3 * D * I
-    f["attention"] = 3 * sum(4 * H * d * (causal_pairs + i * S) for i in range(num_steps))
+    f["qkv"] = 3 * num_steps * 2 * S * (2 + L - 1) * D * (H + 2 * Hkv) * d  # layer 0 reads 2D, the others D
+    f["o"] = 3 * num_steps * 2 * S * H * d * D * L
+    f["mlp"] = 3 * num_steps * 2 * S * 3 * D * I * L
+    f["attention"] = 3 * L * sum(4 * H * d * (causal_pairs + i * S) for i in range(num_steps))
     f["lm_head"] = 3 * sum(2 * len(r) * D * W for r in batch.rows_T)
     f["teacher"] = 2 * batch.teacher_rows_N.numel() * Dt * V
     return f
@@ -139,7 +142,7 @@ def main() -> int:
     cfg = load_config(None, [
         "--run_dir=/tmp/eyas-bench", f"--train.ttt_steps={a.ttt}", f"--train.max_tokens={a.seq * a.pack}",
         f"--train.attention={a.attention}", f"--train.compile={str(a.compile).lower()}", "--train.num_workers=0",
-        "--train.warmup_steps=1",
+        "--train.warmup_steps=1", f"--train.num_layers={a.num_layers}", "--export.format=speculators",
     ])
     tr, dcfg = build.build_trainer(cfg, data, device, total_steps=10_000)
     pad = 128 if tr.attention == "flex" else 0
@@ -152,7 +155,7 @@ def main() -> int:
     total = sum(flops.values())
     tokens = sum(b.num_tokens for b in batches)
     print(f"draft {tr.draft.num_trainable_parameters() / 1e6:.1f}M trainable parameters; D {a.hidden}, V {a.vocab}, "
-          f"W {a.draft_vocab}, {a.grad_accum} x {a.pack} x {a.seq} tokens per step, TTT {a.ttt}, {tr.attention} attention, "
+          f"W {a.draft_vocab}, {a.num_layers} draft layer(s), {a.grad_accum} x {a.pack} x {a.seq} tokens per step, TTT {a.ttt}, {tr.attention} attention, "
           f"compile {a.compile}", flush=True)
     t0 = time.perf_counter()
     for s in range(a.warmup):

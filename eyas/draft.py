@@ -1,4 +1,5 @@
-"""The EAGLE-3 draft model, parameter for parameter the layout of the EAGLE-3 reference / SGLang.
+"""The EAGLE-3 draft model, parameter for parameter the layout of the EAGLE-3 reference / SGLang
+(with num_layers > 1, vLLM's multi-layer EAGLE-3: the reference layer, then plain Llama layers).
 
 Legend: B batch, S sequence (queries), P prefix keys, D draft hidden, Dt target hidden, K aux
 layers, H heads, Hkv kv heads, d head dim, W draft vocab, V target vocab.

@@ -122,8 +122,9 @@ SPECULATORS_KEYS = {
     "t2d": "t2d",
 }
 # draft layers 1.. (num_layers > 1; vLLM's multi-layer EAGLE-3 only): eyas `extra_layers.{i}` is
-# the exported `layers.{i+1}` (vLLM llama_eagle3.py builds layer j > 0 with a D-wide qkv_proj and no
-# hidden_norm)
+# the exported `layers.{i+1}` (vLLM llama_eagle3.py builds layer j > 0 with a D-wide qkv_proj; it
+# creates a hidden_norm there too but only layer 0 uses one, and its load_weights does not ask for
+# the unused ones, so none is written)
 SPECULATORS_EXTRA_LAYER_KEYS = {
     "extra_layers.{}.input_layernorm.weight": "layers.{}.input_layernorm.weight",
     "extra_layers.{}.self_attn.q_proj.weight": "layers.{}.self_attn.q_proj.weight",
@@ -142,7 +143,8 @@ def key_table(fmt: str, num_layers: int = 1) -> dict[str, str]:
     """eyas state_dict name -> exported name for a draft of `num_layers` layers."""
     table = dict(KEY_TABLES[fmt])
     if num_layers > 1:
-        assert fmt == "speculators", "only the speculators layout has more than one draft layer"
+        if fmt != "speculators":
+            raise ArtifactError(f"a {fmt} layout with {num_layers} draft layers: only the speculators layout holds more than one")
         for i in range(num_layers - 1):
             table.update({k.format(i): v.format(i + 1) for k, v in SPECULATORS_EXTRA_LAYER_KEYS.items()})
     return table
@@ -198,7 +200,7 @@ def check_aux_ids(hf_ids: list[int], num_target_layers: int, formats: tuple[str,
 
 
 def _layer_fields(c: DraftConfig, dtype: str) -> dict[str, Any]:
-    """The LlamaConfig fields of the one decoder layer, shared by both layouts."""
+    """The LlamaConfig fields of the decoder layers (one, or num_layers), shared by both layouts."""
     out: dict[str, Any] = {
         "model_type": "llama",
         "hidden_size": c.hidden_size,

@@ -63,6 +63,12 @@ BUDGET_KEYS = {
     "train": ("max_seconds", "resume", "num_workers", "tensorboard", "keep_checkpoints"),
 }
 RESUMABLE = ("regenerate", "train")  # a partial output of these is continued by the next run
+# keys added to a section after runs were made without them: at this value (the behaviour before
+# the key existed) they are left out of the run key, so `eyas run` continues such a run instead of
+# deleting its output as made with other settings
+LATER_KEYS = {
+    "train": {"num_layers": 1},
+}
 
 
 def stage_plan(cfg: EyasConfig) -> tuple[dict[str, EyasConfig], list[str]]:
@@ -88,6 +94,9 @@ def run_keys(configs: dict[str, EyasConfig], stages: list[str]) -> dict[str, str
         for name, budget in BUDGET_KEYS.items():
             if name in sections:
                 sections[name] = {k: v for k, v in sections[name].items() if k not in budget}
+        for name, defaults in LATER_KEYS.items():
+            if name in sections:
+                sections[name] = {k: v for k, v in sections[name].items() if k not in defaults or v != defaults[k]}
         keys[s] = prev = artifacts.hash_json({"stage": s, "sections": sections, "previous": prev})
     return keys
 

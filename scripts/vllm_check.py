@@ -52,7 +52,8 @@ VLLM_SERVING = {
 
 def serving_table(names) -> dict:
     """VLLM_SERVING plus, for each further draft layer j of a multi-layer export (`layers.j.*`,
-    j >= 1), the same entries at model.layers.j (those layers have no hidden_norm)."""
+    j >= 1), the same entries at model.layers.j (no hidden_norm is exported for them: vLLM uses
+    only layer 0's)."""
     table = dict(VLLM_SERVING)
     for name in names:
         parts = name.split(".")

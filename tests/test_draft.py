@@ -205,14 +205,22 @@ def test_extra_layers_are_hf_llama_decoder_layers():
     cos, sin = LlamaRotaryEmbedding(lcfg)(h.float()[None], pos[None])
     causal = torch.zeros(s, s, dtype=torch.float64).masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
     want = reference_step(m, ids, h, pos, False)[None]
+    hkv = cfg.num_key_value_heads
+    assert k.shape == v.shape == (1, 3 * hkv, s, cfg.head_dim)
     for i, extra in enumerate(m.extra_layers):
         hf = LlamaDecoderLayer(lcfg, layer_idx=i + 1).double()
         hf.load_state_dict(extra.state_dict(), strict=True)
+        # this layer's keys/values (after RoPE) are head block i+1 of the returned ones
+        x = hf.input_layernorm(want)
+        k_ref = hf.self_attn.k_proj(x).view(1, s, hkv, cfg.head_dim).transpose(1, 2)
+        v_ref = hf.self_attn.v_proj(x).view(1, s, hkv, cfg.head_dim).transpose(1, 2)
+        k_ref, _ = apply_rotary_pos_emb(k_ref, k_ref, cos.double(), sin.double())
+        torch.testing.assert_close(k[:, (i + 1) * hkv : (i + 2) * hkv], k_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v[:, (i + 1) * hkv : (i + 2) * hkv], v_ref, rtol=1e-5, atol=1e-5)
         want = hf(want, attention_mask=causal[None, None], position_ids=pos[None],
                   position_embeddings=(cos.double(), sin.double()))
         want = want[0] if isinstance(want, tuple) else want
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    assert k.shape == v.shape == (1, 3 * cfg.num_key_value_heads, s, cfg.head_dim)
     one = Eagle3Draft(small_cfg(), m.embed_weight).double()  # layer 0 alone: its keys come first
     one.load_state_dict({k: t for k, t in m.state_dict().items() if not k.startswith("extra_layers.")})
     _, k1, v1 = one.forward_step(ids[None], h[None], pos[None])

@@ -243,3 +243,40 @@ def test_online_training_plans_no_extract_stage(tmp_path):
 
     with pytest.raises(ConfigError, match="no extract stage"):  # not: every stage runs and never stops
         run(load_config(str(y), ["--train.mode=online", "--stop_after=extract"]))
+
+
+def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, monkeypatch):
+    """train.num_layers joined the config after runs existed: at 1 (the behaviour before it) every
+    stage key equals the one the code made when TrainConfig had no such field (simulated: the field
+    dropped from the hashed dict, no LATER_KEYS), so `eyas run` continues such a run; at 2 train
+    and what follows re-run, extract does not."""
+    import eyas.run as r
+    from eyas.config import load_config, to_dict
+
+    y = recipe(tmp_path, "unused-target")
+    keys = r.run_keys(*r.stage_plan(load_config(str(y), [])))
+    two = r.run_keys(*r.stage_plan(load_config(str(y), ["--train.num_layers=2", "--export.format=speculators"])))
+
+    def without_the_field(section):
+        d = to_dict(section)
+        if isinstance(d, dict) and "ttt_steps" in d:  # the train section
+            del d["num_layers"]
+        return d
+
+    monkeypatch.setattr(r, "to_dict", without_the_field)
+    monkeypatch.setattr(r, "LATER_KEYS", {})
+    assert r.run_keys(*r.stage_plan(load_config(str(y), []))) == keys
+    assert two["extract"] == keys["extract"] and two["train"] != keys["train"] and two["export"] != keys["export"]
+
+
+def test_multi_layer_drafts_are_refused_an_sglang_export_before_anything_runs():
+    from eyas.config import load_config
+    from eyas.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--export.format=speculators"):
+        load_config(None, ["--train.num_layers=2"])
+    with pytest.raises(ConfigError, match="--export.format=speculators"):
+        load_config(None, ["--train.num_layers=3", "--export.format=sglang"])
+    with pytest.raises(ConfigError, match="num_layers=0"):
+        load_config(None, ["--train.num_layers=0"])
+    assert load_config(None, ["--train.num_layers=2", "--export.format=speculators"]).train.num_layers == 2

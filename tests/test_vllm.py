@@ -7,14 +7,16 @@ speculators), and a third with two draft layers (vLLM's multi-layer EAGLE-3, spe
 
 * the fitted draft (tests/export_helpers.fitted_draft: eyas's TTT code fitted in-process, with
   decoys that make an aux-layer mistake collapse its tau);
-* the fitted draft again with num_layers = 2 (its second layer a plain Llama decoder layer);
+* the fitted draft again with num_layers = 2 (its second layer a plain Llama decoder layer), and a
+  copy of it whose second layer's output projections are halved (a tau below the ceiling that
+  depends on that layer);
 * the draft of eyas's own stages, run through the CLI as a user runs them
   (tests/vllm_train_helpers.trained_draft): `eyas prepare` on chats whose assistant turns are the
   target's greedy answers to the same prompts (real tokenizer and chat template), `eyas extract`,
   `eyas train` (offline, 20 steps at lr 3e-3: it overfits those chats on purpose),
   `eyas export --format both`.
 
-For each of the five exports vLLM must load exactly the exported tensors, aux layers, residual
+For each of the six exports vLLM must load exactly the exported tensors, aux layers, residual
 variant and RoPE base (read inside vLLM's worker), produce the target-only greedy output, and reach
 the mean acceptance length that eyas's own chain decoding (eyas.spec.speculative_generate) measures
 for the same export read back with load_exported, within TAU_TOL (tau above MIN_TAU, so the
@@ -26,7 +28,7 @@ d2t (so a d2t mistake is caught), and two mis-served exports of the fitted draft
 SGLang's convention in vLLM's field, norm_before_residual flipped in config.json -- which vLLM
 loads without complaint and which the tau comparison must reject.
 
-Runtime on 2 CPU cores (shared, so noisy): ~3-8 minutes (10 vLLM engines in one process; fitting
+Runtime on 2 CPU cores (shared, so noisy): ~3-8 minutes (11 vLLM engines in one process; fitting
 ~25 s; eyas's stages and chain evaluation of their draft ~20 s).
 """
 
@@ -67,13 +69,16 @@ TAU_TOL = 0.1
 what remains is kernel-level float noise flipping a near-tied argmax and the end of generation
 (vLLM and eyas both finish the step that crosses max_tokens). Both correct drafts are far from
 ties: scaling every weight of the trained one by (1 + 1e-3 noise) leaves eyas's tau unchanged."""
-MIN_TAU = {"fitted": 2.5, "trained": 2.0, "fitted_2layer": 2.5}
+MIN_TAU = {"fitted": 2.5, "trained": 2.0, "fitted_2layer": 2.5, "fitted_2layer_halved": 2.0}
 """Below this a draft is too weak for the comparison to mean much (a useless or mis-served draft
 reaches about 1). Measured (K = 3, so at most 4): fitted 3.9-4.0; trained 3.2, where 25 and 30
 training steps give 3.7 and 4.0. The trained run is deterministic (CPU, one thread, fixed seed and
-data order) and its tau is unchanged by 1e-3 relative noise on every weight, so 2.0 holds with margin."""
+data order) and its tau is unchanged by 1e-3 relative noise on every weight, so 2.0 holds with margin.
+The two-layer draft reaches the ceiling (4.0, 2026-12-02), where a wrong second layer could still
+match; its copy with the second layer's o_proj and down_proj halved reads 2.74 in eyas (zeroed:
+1.88), a comparison below the ceiling that only agrees if vLLM runs that layer as eyas does."""
 SERVED = {"sglang": "fitted", "speculators": "fitted", "trained_sglang": "trained", "trained_speculators": "trained",
-          "two_layer": "fitted_2layer"}
+          "two_layer": "fitted_2layer", "two_layer_halved": "fitted_2layer_halved"}
 """vLLM run -> the draft it serves (the fitted one, or the one from eyas's stages) in one layout."""
 
 
@@ -130,6 +135,11 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     draft2 = fitted_draft(target, seqs, aux_layer_ids=AUX, num_layers=2)
     two_layer = export_draft(draft2, work / "two_layer", formats=("speculators",), **verifier, num_speculative_tokens=K)
     two_outputs, two_stats = chain_eval(target, load_exported(two_layer["speculators"], embed_VD).eval(), prompts)
+    with torch.no_grad():  # the second layer's contribution halved: tau below the ceiling, set by that layer
+        draft2.extra_layers[0].self_attn.o_proj.weight.mul_(0.5)
+        draft2.extra_layers[0].mlp.down_proj.weight.mul_(0.5)
+    halved = export_draft(draft2, work / "two_layer_halved", formats=("speculators",), **verifier, num_speculative_tokens=K)
+    halved_outputs, halved_stats = chain_eval(target, load_exported(halved["speculators"], embed_VD).eval(), prompts)
 
     # the draft of eyas's own stages (CLI), trained on the target's answers to the same prompts;
     # eyas measures the speculators read-back, vLLM serves both layouts (a cross-check of the two)
@@ -157,6 +167,7 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
         {"name": "trained_sglang", "draft": str(trained["sglang"]), "k": K},
         {"name": "trained_speculators", "draft": str(trained["speculators"]), "k": K},
         {"name": "two_layer", "draft": str(two_layer["speculators"]), "k": K},
+        {"name": "two_layer_halved", "draft": str(halved["speculators"]), "k": K},
         {"name": "constant", "draft": str(const["speculators"]), "k": K},
         {"name": "shifted", "draft": str(shifted["speculators"]), "k": K},
         {"name": "wrong_aux", "draft": str(wrong_aux), "k": K},
@@ -167,8 +178,10 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     return {
         "runs": result["runs"],
         "continuations": conts,
-        "eyas_outputs": {"fitted": fitted_outputs, "trained": trained_outputs, "fitted_2layer": two_outputs},
-        "eyas_stats": {"fitted": fitted_stats, "trained": trained_stats, "fitted_2layer": two_stats},
+        "eyas_outputs": {"fitted": fitted_outputs, "trained": trained_outputs, "fitted_2layer": two_outputs,
+                         "fitted_2layer_halved": halved_outputs},
+        "eyas_stats": {"fitted": fitted_stats, "trained": trained_stats, "fitted_2layer": two_stats,
+                       "fitted_2layer_halved": halved_stats},
         "token": token,
     }
 
@@ -178,16 +191,17 @@ def test_vllm_target_matches_transformers(served):
     correct drafts) agree on the greedy output."""
     want = [c[:MAX_TOKENS] for c in served["continuations"]]
     assert served["runs"]["target"]["outputs"] == want
-    assert served["eyas_outputs"] == {"fitted": want, "trained": want, "fitted_2layer": want}
+    assert served["eyas_outputs"] == {"fitted": want, "trained": want, "fitted_2layer": want, "fitted_2layer_halved": want}
 
 
 @pytest.mark.parametrize("run", list(SERVED))
 def test_vllm_loads_exactly_the_exported_draft(served, run):
     ins = served["runs"][run]["inspect"]
     assert ins["drafter"] == "Eagle3LlamaForCausalLM"
-    assert ins["num_draft_layers"] == (2 if run == "two_layer" else 1)
+    two = run.startswith("two_layer")
+    assert ins["num_draft_layers"] == (2 if two else 1)
     # every exported tensor is checked where vLLM serves it, the second layer's too
-    assert any(k.startswith("layers.1.") for k in ins["tensor_errors"]) == (run == "two_layer")
+    assert any(k.startswith("layers.1.") for k in ins["tensor_errors"]) == two
     assert ins["target_aux_layers"] == AUX  # vLLM captures the streams eyas trained on
     assert ins["residual_norm"] == "_norm_after_residual"  # norm_before_residual=False honoured
     assert ins["rope_base"] == 100000.0 and ins["head_size"] == 64
@@ -233,3 +247,10 @@ def test_vllm_control_mis_served_draft_fails_the_tau_check(served, control):
     else:
         assert run["inspect"]["residual_norm"] == "_norm_before_residual"
     assert abs(tau(run["spec"]) - served["eyas_stats"]["fitted"].tau) > TAU_TOL, run["spec"]
+
+
+def test_the_second_draft_layer_sets_the_halved_copys_tau(served):
+    """The halved copy is a real control: halving its second layer moves eyas's tau well away from
+    the intact draft's, so vLLM matching it within TAU_TOL means vLLM runs that layer as eyas does."""
+    intact, halved = served["eyas_stats"]["fitted_2layer"].tau, served["eyas_stats"]["fitted_2layer_halved"].tau
+    assert intact - halved > 5 * TAU_TOL, (intact, halved)

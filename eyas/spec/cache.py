@@ -53,7 +53,8 @@ def cache_length(cache) -> int:
 
 
 class DraftCache:
-    """The draft layer's keys/values [1, Hkv, P, d] with a committed prefix and a scratch tail."""
+    """The draft layers' keys/values [1, L*Hkv, P, d] (L draft layers, stacked by head as
+    eyas.draft returns them) with a committed prefix and a scratch tail."""
 
     def __init__(self) -> None:
         self.k: torch.Tensor | None = None

@@ -15,8 +15,9 @@ changes only where keys and values live:
   attention as is): the kept prefix, then the new tokens among themselves (causal, or a tree's
   ancestor mask). Slots past the kept length hold stale entries that no mask lets through, so
   rejecting tokens is free; a tree's accepted path is copied down to contiguous slots.
-* draft: `StaticDraftCache`, the same idea for the draft's single layer, with DraftCache's
-  interface (views of the used slots), so every eager propose function runs on it unchanged.
+* draft: `StaticDraftCache`, the same idea for the draft's layers (one buffer whose heads are all
+  its layers' kv heads, as eyas.draft stacks them), with DraftCache's interface (views of the used
+  slots), so every eager propose function runs on it unchanged.
 
 Graphs (CUDA only; `graphs=False` or a CPU runs the same code eagerly, which is how the tests
 compare this path with the reference DynamicCache path token for token):
@@ -234,7 +235,8 @@ class StaticTarget:
 
 class StaticDraftCache:
     """DraftCache's interface (k, v, committed, append, commit, rollback) over fixed buffers
-    [1, Hkv, M, d]: `k` / `v` are views of the used slots, so eager code runs on it unchanged."""
+    [1, L*Hkv, M, d] (L draft layers): `k` / `v` are views of the used slots, so eager code runs on
+    it unchanged."""
 
     def __init__(self, max_len: int):
         self.max_len = max_len

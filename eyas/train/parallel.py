@@ -7,8 +7,8 @@ each step: the frozen V x D embedding is identical on every rank). FSDP2 (`fully
 parameters, gradients and AdamW state over the ranks, for drafts too large to replicate (a draft
 for DeepSeek-V3's widths, D=7168 with a 32,000-token vocabulary, has 1.19B trainable parameters:
 ~19 GB of fp32 weights, gradients and Adam state); parameters are
-gathered in bf16 for compute (MixedPrecisionPolicy), gradients reduced in fp32. The draft has a
-single decoder layer, so the whole module is one FSDP unit.
+gathered in bf16 for compute (MixedPrecisionPolicy), gradients reduced in fp32. The draft has one
+decoder layer (or a few, train.num_layers), so the whole module is one FSDP unit.
 """
 
 from __future__ import annotations
