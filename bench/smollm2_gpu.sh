@@ -22,7 +22,7 @@
 #               the train/evaluate overrides the later phases read, from TRAIN_STEPS (3000),
 #               TRAIN_SECONDS and EVAL_SECONDS (the budgets, 420 each), TRAIN_MODE (offline; online =
 #               no extract stage), TRAIN_COMPILE (default: measured here, the SmolLM2 draft's step
-#               eager vs compiled) and TRAIN_ARGS (more eyas overrides for every later phase, e.g.
+#               eager vs compiled, at TRAIN_ARGS's MLP width and layer count) and TRAIN_ARGS (more eyas overrides for every later phase, e.g.
 #               "--train.intermediate_size=6144": a wider draft; "--train.num_layers=2
 #               --export.format=speculators": two draft layers, which SGLang's layout cannot hold)
 #   regenerate_rest  .carry/p2 (the GGUF's second half) and .carry/r2 (sharegpt_rest: the ShareGPT
@@ -187,7 +187,11 @@ keep)
     # 16384): the train call compiles when that is >= 10% faster (TRAIN_COMPILE=true/false decides instead)
     compile=${TRAIN_COMPILE:-}
     if [[ -z $compile ]]; then
-        rate() { timeout 150 python3 bench/train.py --hidden 576 --heads 9 --kv-heads 3 --intermediate 1536 \
+        # the draft's shape from TRAIN_ARGS (MLP width, layers), else SmolLM2's own width and one layer
+        width=$(grep -o -- "--train.intermediate_size=[0-9]*" <<< "${TRAIN_ARGS:-}" | tail -n1 | cut -d= -f2 || true)
+        layers=$(grep -o -- "--train.num_layers=[0-9]*" <<< "${TRAIN_ARGS:-}" | tail -n1 | cut -d= -f2 || true)
+        rate() { timeout 150 python3 bench/train.py --hidden 576 --heads 9 --kv-heads 3 --intermediate ${width:-1536} \
+            --num-layers ${layers:-1} \
             --vocab 49152 --draft-vocab 32000 --target-layers 30 --seq 2048 --pack 8 --steps 20 "$@" 2>&1 \
             | tee /dev/stderr | grep -o "[0-9,]* tokens/s" | head -1 | tr -d ", tokens/" || true; }
         eager=$(rate); compiled=$(rate --compile)
