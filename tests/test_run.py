@@ -246,27 +246,33 @@ def test_online_training_plans_no_extract_stage(tmp_path):
 
 
 def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, monkeypatch):
-    """train.num_layers joined the config after runs existed: at 1 (the behaviour before it) every
-    stage key equals the one the code made when TrainConfig had no such field (simulated: the field
-    dropped from the hashed dict, no LATER_KEYS), so `eyas run` continues such a run; at 2 train
-    and what follows re-run, extract does not."""
+    """train.num_layers and train.align_top_k joined the config after runs existed: at their
+    defaults (the behaviour before them) every stage key equals the one the code made when
+    TrainConfig had no such fields (simulated: the fields dropped from the hashed dict, no
+    LATER_KEYS), so `eyas run` continues such a run; set otherwise, train and what follows re-run,
+    extract does not."""
     import eyas.run as r
     from eyas.config import load_config, to_dict
 
     y = recipe(tmp_path, "unused-target")
     keys = r.run_keys(*r.stage_plan(load_config(str(y), [])))
-    two = r.run_keys(*r.stage_plan(load_config(str(y), ["--train.num_layers=2", "--export.format=speculators"])))
+    changed = [r.run_keys(*r.stage_plan(load_config(str(y), args))) for args in
+               (["--train.num_layers=2", "--export.format=speculators"], ["--train.align_top_k=1"])]
+    later = dict(r.LATER_KEYS["train"])
+    assert set(later) == {"num_layers", "align_top_k"}
 
-    def without_the_field(section):
+    def without_the_fields(section):
         d = to_dict(section)
         if isinstance(d, dict) and "ttt_steps" in d:  # the train section
-            del d["num_layers"]
+            for k in later:
+                del d[k]
         return d
 
-    monkeypatch.setattr(r, "to_dict", without_the_field)
+    monkeypatch.setattr(r, "to_dict", without_the_fields)
     monkeypatch.setattr(r, "LATER_KEYS", {})
     assert r.run_keys(*r.stage_plan(load_config(str(y), []))) == keys
-    assert two["extract"] == keys["extract"] and two["train"] != keys["train"] and two["export"] != keys["export"]
+    for other in changed:
+        assert other["extract"] == keys["extract"] and other["train"] != keys["train"] and other["export"] != keys["export"]
 
 
 def test_multi_layer_drafts_are_refused_an_sglang_export_before_anything_runs():

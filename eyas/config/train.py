@@ -26,6 +26,12 @@ class TrainConfig:
     top-1; sampled serving accepts by the whole distribution. The logged train and held-out losses
     are this mixed loss: compare accuracies, not losses, across values of w. On SmolLM2 (one H200,
     BENCHMARKS.md session 11) w = 1 read below w = 0 on held-out accuracy and MT-bench tau."""
+    align_top_k: int = 0
+    """Train TTT step i only at positions where the target's top-1 was among the draft's k best at
+    every earlier step (GRIFFIN's token-alignable training; 1 = the greedy chain: serving never
+    drafts past a rejected token, so positions after a miss only spend the draft's capacity).
+    0 = every position trains (the EAGLE-3 reference). The logged accuracies stay over all
+    positions; chain_acc_T and tau_chain are the greedy chain's, whatever k."""
     lr: float = 1e-4
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.0
@@ -130,6 +136,7 @@ class TrainConfig:
         require(self.ttt_steps >= 1, f"train.ttt_steps={self.ttt_steps} must be >= 1")
         require(self.step_weight > 0, f"train.step_weight={self.step_weight} must be > 0")
         require(0.0 <= self.top1_weight <= 1.0, f"train.top1_weight={self.top1_weight} must lie in [0, 1]")
+        require(self.align_top_k >= 0, f"train.align_top_k={self.align_top_k} must be >= 0 (0 = off)")
         require(self.lr > 0, f"train.lr={self.lr} must be > 0")
         require(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
         require(0.0 <= self.warmup_ratio < 1.0, f"train.warmup_ratio={self.warmup_ratio} must lie in [0, 1)")

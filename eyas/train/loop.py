@@ -23,7 +23,7 @@ from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError, exception_message, record_error
 from eyas.train import checkpoint
 from eyas.train.data import Batch, batch_loader, epoch_batches
-from eyas.train.loss import acceptance_length, step_terms, step_weights, teacher_targets, weighted_loss
+from eyas.train.loss import acceptance_length, chain_length, step_terms, step_weights, teacher_targets, weighted_loss
 from eyas.train.parallel import all_reduce_sum, clip_grad_norm, no_sync
 from eyas.train.ttt import flex_masks, sdpa_masks
 
@@ -91,11 +91,16 @@ def num_valid(top1_N: torch.Tensor, tix_T: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([(top1_N[tix] >= 0).sum() for tix in tix_T])
 
 
+def terms(tr: Trainer, b: Batch, logits_T: list[torch.Tensor], p_NW: torch.Tensor, top1_N: torch.Tensor):
+    return step_terms(logits_T, p_NW, top1_N, b.tix_T, b.rows_T, b.input_ids_BS.numel(),
+                      tr.tc.top1_weight, tr.tc.align_top_k)
+
+
 def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -> dict[str, torch.Tensor]:
     """One optimizer step over this rank's micro-batches of the accumulation window.
 
     `before_sync()` runs once every backward is queued and before the step's host sync (`Lookahead`
-    prepares the next window there). -> local sums: loss_sum_T, correct_T, valid_T (device), mask_T
+    prepares the next window there). -> local sums: loss_sum_T, correct_T, valid_T, chain_T (device), mask_T
     (host), grad_norm (device), tokens (int).
     """
     batches = [tr.prepare(b) for b in batches]
@@ -110,17 +115,19 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
     global_valid_T = all_reduce_sum(valid_T.clone())
     loss_sum_T = torch.zeros_like(tr.weights_T)
     correct_T = torch.zeros_like(valid_T)
+    alive_T = torch.zeros_like(valid_T)
     for j, (b, (p_NW, top1_N)) in enumerate(zip(batches, first)):
         if p_NW is None:
             p_NW = tr.teacher(b)[0]
         with no_sync(tr.model, sync=j == len(batches) - 1):
             logits_T = tr.forward(b)
-            ls_T, cor_T, _ = step_terms(logits_T, p_NW, top1_N, b.tix_T, tr.tc.top1_weight)
+            ls_T, cor_T, _, chain_T = terms(tr, b, logits_T, p_NW, top1_N)
             # x world_size: DDP / FSDP average gradients over ranks, the global normaliser is a sum
             loss = weighted_loss(ls_T, global_valid_T, tr.weights_T) * tr.world_size
             loss.backward()
         loss_sum_T += ls_T.detach()
         correct_T += cor_T
+        alive_T += chain_T
     del first, p_NW, top1_N, logits_T, ls_T, loss  # the W-wide tensors, freed before the next window's states
     if before_sync is not None:
         before_sync()
@@ -133,7 +140,7 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
     tr.optimizer.zero_grad(set_to_none=True)
     # host-side counts stay on the host (a pageable host->device copy would wait for the GPU)
     mask_T = torch.tensor([sum(len(b.rows_T[i]) for b in batches) for i in range(tr.tc.ttt_steps)])
-    return {"loss_sum_T": loss_sum_T, "correct_T": correct_T, "valid_T": valid_T, "mask_T": mask_T,
+    return {"loss_sum_T": loss_sum_T, "correct_T": correct_T, "valid_T": valid_T, "chain_T": alive_T, "mask_T": mask_T,
             "grad_norm": grad_norm.detach().float(), "tokens": sum(b.num_tokens for b in batches)}
 
 
@@ -150,18 +157,22 @@ def raise_non_finite(step: int, batches: list[Batch], loss_sum_T: torch.Tensor, 
 
 def summarize(sums: dict[str, torch.Tensor], weights_T: torch.Tensor) -> dict[str, Any]:
     """Global metrics from summed counters (all-reduced here: one collective, one host sync)."""
-    keys = ("loss_sum_T", "correct_T", "valid_T", "mask_T")
+    keys = ("loss_sum_T", "correct_T", "valid_T", "chain_T", "mask_T")
     device = sums["loss_sum_T"].device
     packed = all_reduce_sum(torch.stack([sums[k].to(device, torch.float64) for k in keys]))
-    loss_sum, correct, valid, mask = packed.tolist()  # .tolist(): the logging sync point
+    loss_sum, correct, valid, chain, mask = packed.tolist()  # .tolist(): the logging sync point
     loss_T = [s / max(v, 1) for s, v in zip(loss_sum, valid)]
     acc_T = [c / max(m, 1) for c, m in zip(correct, mask)]
+    reached_T = [mask[0]] + chain[:-1]
     w = weights_T.tolist()
     return {
         "loss": sum(wi * li for wi, li in zip(w, loss_T)),
         "loss_T": loss_T,
         "acc_T": acc_T,
         "tau": acceptance_length(acc_T),
+        # the greedy chain teacher-forced: P(step i accepted | steps < i accepted), its length
+        "chain_acc_T": [c / max(r, 1) for c, r in zip(chain, reached_T)],
+        "tau_chain": chain_length(chain, mask[0]),
         "valid_T": [int(v) for v in valid],
     }
 
@@ -170,17 +181,18 @@ def summarize(sums: dict[str, torch.Tensor], weights_T: torch.Tensor) -> dict[st
 def evaluate(tr: Trainer, loader, max_batches: int = 0) -> dict[str, Any]:
     tr.model.eval()
     sums = {k: torch.zeros(tr.tc.ttt_steps, device=tr.device, dtype=torch.float64)
-            for k in ("loss_sum_T", "correct_T", "valid_T")}
+            for k in ("loss_sum_T", "correct_T", "valid_T", "chain_T")}
     sums["mask_T"] = torch.zeros(tr.tc.ttt_steps, dtype=torch.float64)  # host-side counts
     for n, b in enumerate(loader):
         if max_batches and n >= max_batches:
             break
         b = tr.prepare(b)
         p_NW, top1_N = tr.teacher(b)
-        ls_T, cor_T, val_T = step_terms(tr.forward(b), p_NW, top1_N, b.tix_T, tr.tc.top1_weight)
+        ls_T, cor_T, val_T, chain_T = terms(tr, b, tr.forward(b), p_NW, top1_N)
         sums["loss_sum_T"] += ls_T
         sums["correct_T"] += cor_T
         sums["valid_T"] += val_T
+        sums["chain_T"] += chain_T
         sums["mask_T"] += torch.tensor([len(r) for r in b.rows_T], dtype=torch.float64)
     tr.model.train()
     return summarize(sums, tr.weights_T)
@@ -335,7 +347,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     log = MetricsLog(out / "metrics.jsonl", tr.rank, tc.tensorboard, start)
     ckpt_root = out / "checkpoints"
     zero = {k: torch.zeros(tc.ttt_steps, device=tr.device if k != "mask_T" else "cpu", dtype=torch.float64)
-            for k in ("loss_sum_T", "correct_T", "valid_T", "mask_T")}
+            for k in ("loss_sum_T", "correct_T", "valid_T", "chain_T", "mask_T")}
     acc = {k: v.clone() for k, v in zero.items()}
     tokens, norms, t0, paused = 0, [], time.perf_counter(), 0.0  # paused: evaluation and checkpoints
     last_train: dict[str, Any] = {}
@@ -363,7 +375,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             log.write(last_train)
             if tr.rank == 0:
                 print(f"[eyas:train] step {done}/{sched.total} loss {rec['loss']:.4f} acc0 {rec['acc_T'][0]:.3f} "
-                      f"tau {rec['tau']:.3f} lr {last_train['lr']:.2e} |g| {last_train['grad_norm']:.3f} "
+                      f"tau {rec['tau']:.3f} chain {rec['tau_chain']:.3f} lr {last_train['lr']:.2e} |g| {last_train['grad_norm']:.3f} "
                       f"{last_train['tokens_per_s']:.0f} tok/s", flush=True)
             acc = {k: v.clone() for k, v in zero.items()}
             tokens, norms, t0, paused = 0, [], time.perf_counter(), 0.0

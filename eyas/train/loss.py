@@ -19,6 +19,16 @@ Accuracy of step i: positions where the draft's top-1 is the teacher's top-1, ov
 with loss mask 1 (a teacher top-1 outside the draft vocab is a miss the draft cannot avoid).
 Simulated acceptance length: tau = 1 + sum_k prod_{i<=k} acc_i (chain acceptance under greedy
 verification, the bonus token counted).
+
+Chain counts: a row t is *alive* after step i when the draft's top-1 equalled the teacher's top-1
+at every step 0..i of row t (each of them a trained position): the greedy chain drafted from t
+would still be accepted there. chain_T[i] counts those rows; tau_chain = 1 + sum_i chain_T[i] /
+(rows at step 0) is the chain acceptance length teacher-forced, row by row (a chain that reaches
+the end of its answer stops there, as serving's does). With train.align_top_k = k > 0 the loss
+of step i keeps only rows alive under top-k (the teacher's top-1 among the draft's k best at every
+earlier step; k = 1: the greedy chain), GRIFFIN's token-alignable training: a serving engine
+never drafts step i after a rejected step, so those rows only spend the draft's capacity. The
+normaliser stays the count of valid rows of step i, so a step's weight falls with its alive share.
 """
 
 from __future__ import annotations
@@ -53,15 +63,24 @@ def step_terms(
     p_NW: torch.Tensor,
     top1_N: torch.Tensor,
     tix_T: list[torch.Tensor],
+    rows_T: list[torch.Tensor],
+    num_rows: int,
     top1_weight: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per TTT step over this micro-batch -> (loss_sum_T with grad, num_correct_T, num_valid_T).
+    align_top_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per TTT step over this micro-batch -> (loss_sum_T with grad, num_correct_T, num_valid_T,
+    num_chain_T).
 
     logits_T[i]: draft logits [M, W] of step i's selected rows; tix_T[i]: their teacher rows;
-    top1_weight: the top-1 cross-entropy's share of each position's loss (train.top1_weight).
+    rows_T[i]: the flat rows themselves (< num_rows), which tie a row's steps together;
+    top1_weight: the top-1 cross-entropy's share of each position's loss (train.top1_weight);
+    align_top_k: train.align_top_k (0 = every valid row trains).
     """
-    loss_sums, correct, valid = [], [], []
-    for logits_MW, tix_M in zip(logits_T, tix_T):
+    loss_sums, correct, valid, chain = [], [], [], []
+    device = top1_N.device
+    alive_R = torch.ones(num_rows, dtype=torch.bool, device=device)  # greedy chain still accepted
+    keep_R = torch.ones(num_rows, dtype=torch.bool, device=device)  # align_top_k's mask
+    for logits_MW, tix_M, rows_M in zip(logits_T, tix_T, rows_T):
         p_MW, top1_M = p_NW[tix_M], top1_N[tix_M]
         ok_M = top1_M >= 0
         z_MW = logits_MW.float()
@@ -69,10 +88,19 @@ def step_terms(
         if top1_weight > 0.0:  # an invalid row's top-1 (-1) reads class 0, masked below
             hard_M = F.cross_entropy(z_MW, top1_M.clamp(min=0), reduction="none")
             ce_M = (1.0 - top1_weight) * ce_M + top1_weight * hard_M
-        loss_sums.append(torch.where(ok_M, ce_M, 0.0).sum())
-        correct.append((logits_MW.detach().argmax(-1) == top1_M).sum())  # top1 -1 never matches
+        train_M = ok_M & keep_R[rows_M] if align_top_k else ok_M
+        loss_sums.append(torch.where(train_M, ce_M, 0.0).sum())
+        hit_M = logits_MW.detach().argmax(-1) == top1_M  # top1 -1 never matches
+        correct.append(hit_M.sum())
         valid.append(ok_M.sum())
-    return torch.stack(loss_sums), torch.stack(correct), torch.stack(valid)
+        alive_M = alive_R[rows_M] & hit_M
+        chain.append(alive_M.sum())
+        alive_R = torch.zeros_like(alive_R).index_put_((rows_M,), alive_M)  # rows not trained here die
+        if align_top_k:
+            k = min(align_top_k, logits_MW.shape[-1])
+            in_top_M = hit_M if k == 1 else (logits_MW.detach().topk(k, -1).indices == top1_M[:, None]).any(-1)
+            keep_R = torch.zeros_like(keep_R).index_put_((rows_M,), keep_R[rows_M] & in_top_M)
+    return torch.stack(loss_sums), torch.stack(correct), torch.stack(valid), torch.stack(chain)
 
 
 def step_weights(num_steps: int, gamma: float, device=None) -> torch.Tensor:
@@ -82,6 +110,11 @@ def step_weights(num_steps: int, gamma: float, device=None) -> torch.Tensor:
 def weighted_loss(loss_sum_T: torch.Tensor, num_valid_T: torch.Tensor, weights_T: torch.Tensor) -> torch.Tensor:
     """sum_i w_i * loss_sum_i / max(num_valid_i, 1)."""
     return (weights_T * loss_sum_T / num_valid_T.clamp(min=1)).sum()
+
+
+def chain_length(chain_T: list[float], num_rows: float) -> float:
+    """tau_chain = 1 + sum_i chain_T[i] / num_rows (num_rows: the rows of step 0)."""
+    return 1.0 + sum(chain_T) / max(num_rows, 1)
 
 
 def acceptance_length(acc_T: list[float]) -> float:
