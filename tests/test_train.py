@@ -206,7 +206,7 @@ def test_tiny_run_on_real_smollm2_states_learns(tmp_path, smol_prep, smol_model)
     assert last["loss"] < 0.7 * first["loss"], [r["loss"] for r in recs]
     assert last["tau"] > first["tau"] + 0.1, [r["tau"] for r in recs]
     assert len(last["acc_T"]) == len(last["loss_T"]) == 3 and last["tokens_per_s"] > 0 and last["grad_norm"] > 0
-    assert 1.0 <= first["tau_chain"] < last["tau_chain"] <= 4.0 and all(0 <= a <= 1 for a in last["chain_acc_T"])
+    assert 1.0 <= first["tau_chain_rows"] < last["tau_chain_rows"] <= 4.0 and all(0 <= a <= 1 for a in last["chain_acc_rows_T"])
     assert read_metrics(cfg.stage_dir("train"), "eval")
     # outputs: final draft (eyas.draft format), meta.json with the final metrics, plots
     from eyas.artifacts import read_meta
@@ -317,7 +317,7 @@ FIT_STEPS = 12
 def test_align_top_k_trains_only_rows_whose_greedy_chain_is_alive(tmp_path, smol_prep, tiny_target):
     """--train.align_top_k=1: step i's loss sums the soft cross-entropy over the rows whose draft
     top-1 matched the target's top-1 at every step before i (found here row by row); the held-out
-    evaluation reads the same, and its tau_chain counts the rows still matching after each step."""
+    evaluation reads the same, and its tau_chain_rows counts the rows still matching after each step."""
     from eyas.train.loop import evaluate, train_step
 
     cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.align_top_k=1",
@@ -346,8 +346,8 @@ def test_align_top_k_trains_only_rows_whose_greedy_chain_is_alive(tmp_path, smol
     valid = [int((top1_N[tix_M] >= 0).sum()) for tix_M in b.tix_T]
     assert held["loss_T"] == pytest.approx([w / v for w, v in zip(want, valid)], rel=1e-5)
     rows0 = len(b.rows_T[0])
-    assert held["tau_chain"] == pytest.approx(1 + sum(chain) / rows0)
-    assert held["chain_acc_T"] == pytest.approx([c / r for c, r in zip(chain, [rows0] + chain[:-1])])
+    assert held["tau_chain_rows"] == pytest.approx(1 + sum(chain) / rows0)
+    assert held["chain_acc_rows_T"] == pytest.approx([c / r for c, r in zip(chain, [rows0] + chain[:-1])])
     out = train_step(tr, [b], step)
     torch.testing.assert_close(out["loss_sum_T"].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-4)
     assert out["chain_T"].tolist() == chain

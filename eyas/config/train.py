@@ -31,7 +31,7 @@ class TrainConfig:
     every earlier step (GRIFFIN's token-alignable training; 1 = the greedy chain: serving never
     drafts past a rejected token, so positions after a miss only spend the draft's capacity).
     0 = every position trains (the EAGLE-3 reference). The logged accuracies stay over all
-    positions; chain_acc_T and tau_chain are the greedy chain's, whatever k."""
+    positions; chain_acc_rows_T and tau_chain_rows are the greedy chain's, whatever k."""
     lr: float = 1e-4
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.0

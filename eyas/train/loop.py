@@ -171,8 +171,8 @@ def summarize(sums: dict[str, torch.Tensor], weights_T: torch.Tensor) -> dict[st
         "acc_T": acc_T,
         "tau": acceptance_length(acc_T),
         # the greedy chain teacher-forced: P(step i accepted | steps < i accepted), its length
-        "chain_acc_T": [c / max(r, 1) for c, r in zip(chain, reached_T)],
-        "tau_chain": chain_length(chain, mask[0]),
+        "chain_acc_rows_T": [c / max(r, 1) for c, r in zip(chain, reached_T)],
+        "tau_chain_rows": chain_length(chain, mask[0]),
         "valid_T": [int(v) for v in valid],
     }
 
@@ -375,7 +375,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             log.write(last_train)
             if tr.rank == 0:
                 print(f"[eyas:train] step {done}/{sched.total} loss {rec['loss']:.4f} acc0 {rec['acc_T'][0]:.3f} "
-                      f"tau {rec['tau']:.3f} chain {rec['tau_chain']:.3f} lr {last_train['lr']:.2e} |g| {last_train['grad_norm']:.3f} "
+                      f"tau {rec['tau']:.3f} chain rows {rec['tau_chain_rows']:.3f} lr {last_train['lr']:.2e} |g| {last_train['grad_norm']:.3f} "
                       f"{last_train['tokens_per_s']:.0f} tok/s", flush=True)
             acc = {k: v.clone() for k, v in zero.items()}
             tokens, norms, t0, paused = 0, [], time.perf_counter(), 0.0

@@ -22,9 +22,11 @@ verification, the bonus token counted).
 
 Chain counts: a row t is *alive* after step i when the draft's top-1 equalled the teacher's top-1
 at every step 0..i of row t (each of them a trained position): the greedy chain drafted from t
-would still be accepted there. chain_T[i] counts those rows; tau_chain = 1 + sum_i chain_T[i] /
-(rows at step 0) is the chain acceptance length teacher-forced, row by row (a chain that reaches
-the end of its answer stops there, as serving's does). With train.align_top_k = k > 0 the loss
+would still be accepted there. chain_T[i] counts those rows; tau_chain_rows = 1 + sum_i
+chain_T[i] / (rows at step 0) is the chain's acceptance length teacher-forced, averaged over every
+start row (a chain that reaches the end of its answer stops there, as serving's does). A decoder's
+tau (tokens / verify passes) is lower: its passes start only after a miss or a bonus token, so an
+easy stretch counts once per pass, not once per row (session 15's held-out split: BENCHMARKS.md). With train.align_top_k = k > 0 the loss
 of step i keeps only rows alive under top-k (the teacher's top-1 among the draft's k best at every
 earlier step; k = 1: the greedy chain), GRIFFIN's token-alignable training: a serving engine
 never drafts step i after a rejected step, so those rows only spend the draft's capacity. The
@@ -113,7 +115,7 @@ def weighted_loss(loss_sum_T: torch.Tensor, num_valid_T: torch.Tensor, weights_T
 
 
 def chain_length(chain_T: list[float], num_rows: float) -> float:
-    """tau_chain = 1 + sum_i chain_T[i] / num_rows (num_rows: the rows of step 0)."""
+    """tau_chain_rows = 1 + sum_i chain_T[i] / num_rows (num_rows: the rows of step 0)."""
     return 1.0 + sum(chain_T) / max(num_rows, 1)
 
 
