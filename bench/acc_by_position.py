@@ -85,7 +85,7 @@ def sure_name(lo: float, hi: float) -> str:
 
 def score(tallies: list[Tally], draft, target, ids_S: torch.Tensor, start: int, end: int, steps: int) -> None:
     """Labels ids[start:end] (one answer): step i at row r predicts ids[r + 2 + i]."""
-    assert start >= 1, "an answer starts after its prompt"
+    assert start >= 2, "an answer starts after its prompt (row start-2 predicts its first token)"
     layer_ids = list(draft.config.aux_layer_ids)
     with torch.no_grad():
         aux_1SKD, final_1SD = capture(target, ids_S[None], layer_ids=layer_ids)

@@ -77,12 +77,13 @@ def test_loss_on_a_hand_built_example():
     z0 = [[1.0, 0, 0], [0, 0, 1.0], [0, 0, 3.0]]  # step 0 drafts rows 0, 1, 2
     z1 = [[0, 2.0, 0]]  # step 1 drafts row 2 only
     rows = [torch.tensor([0, 1, 2]), torch.tensor([2])]  # the flat rows, here equal to their teacher rows
-    loss_sum, correct, valid, chain = step_terms([torch.tensor(z0), torch.tensor(z1)], p, top1, rows, rows, 3)
+    loss_sum, correct, valid, reached, chain = step_terms([torch.tensor(z0), torch.tensor(z1)], p, top1, rows, rows, 3)
     want0 = ce(z0[0], teacher[0]) + ce(z0[2], teacher[2])  # row 1 is not valid
     want1 = ce(z1[0], teacher[2])
     torch.testing.assert_close(loss_sum, torch.tensor([want0, want1]))
     assert correct.tolist() == [2, 0] and valid.tolist() == [2, 1]
     assert chain.tolist() == [2, 0]  # rows 0 and 2 accepted at step 0; row 2's step 1 drafts 1, not 2
+    assert reached.tolist() == [3, 1]  # every row reaches step 0; of rows 0 and 2, only row 2 has a step 1
     loss = weighted_loss(loss_sum, torch.tensor([4, 1]), torch.tensor([1.0, 0.8]))
     assert loss.item() == pytest.approx(want0 / 4 + 0.8 * want1, rel=1e-6)
 
@@ -92,7 +93,7 @@ def test_loss_on_a_hand_built_example():
 
     for w in (0.25, 1.0):
         l0, l1 = torch.tensor(z0, requires_grad=True), torch.tensor(z1, requires_grad=True)
-        mixed, correct, valid, _ = step_terms([l0, l1], p, top1, rows, rows, 3, top1_weight=w)
+        mixed, correct, valid, _, _ = step_terms([l0, l1], p, top1, rows, rows, 3, top1_weight=w)
         hard0 = nll(z0[0], 0) + nll(z0[2], 2)  # top-1 draft ids of rows 0 and 2; row 1 still not valid
         hard1 = nll(z1[0], 2)
         torch.testing.assert_close(mixed.detach(), torch.tensor([(1 - w) * want0 + w * hard0, (1 - w) * want1 + w * hard1]))
@@ -119,7 +120,7 @@ def test_chain_counts_and_align_mask_match_a_per_row_loop(k):
     rows_T = [torch.randperm(num_rows, generator=g)[:30].sort().values for _ in range(steps)]
     tix_T = [torch.randint(num_teacher, (30,), generator=g) for _ in range(steps)]
     logits_T = [p[t].log() + torch.randn(30, w, generator=g) for t in tix_T]
-    loss, correct, valid, chain = step_terms(logits_T, p, top1, tix_T, rows_T, num_rows, align_top_k=k)
+    loss, correct, valid, reached, chain = step_terms(logits_T, p, top1, tix_T, rows_T, num_rows, align_top_k=k)
 
     def at(i, r):  # -> (logits, teacher row) of flat row r at step i, or None if step i skips it
         hits = (rows_T[i] == r).nonzero()
@@ -130,16 +131,18 @@ def test_chain_counts_and_align_mask_match_a_per_row_loop(k):
         return got is not None and int(top1[got[1]]) >= 0 and int(top1[got[1]]) in got[0].topk(top_k).indices.tolist()
 
     for i in range(steps):
-        want_loss, want_chain = 0.0, 0
+        want_loss, want_chain, want_reached = 0.0, 0, 0
         for r in rows_T[i].tolist():
             z, t = at(i, r)
             trained = int(top1[t]) >= 0 and (k == 0 or all(agrees(j, r, k) for j in range(i)))
             if trained:
                 want_loss += float(-(p[t] * torch.log_softmax(z, -1)).sum())
+            want_reached += all(agrees(j, r, 1) for j in range(i))
             want_chain += all(agrees(j, r, 1) for j in range(i + 1))
         assert loss[i].item() == pytest.approx(want_loss, rel=1e-5)
-        assert int(chain[i]) == want_chain
+        assert int(chain[i]) == want_chain and int(reached[i]) == want_reached
     assert 0 < int(chain[-1]) < int(chain[0]) == int(correct[0]) < len(rows_T[0])  # both branches run
+    assert any(int(reached[i]) < int(chain[i - 1]) for i in range(1, steps))  # alive rows with no next step
     assert valid.tolist() == [int((top1[t] >= 0).sum()) for t in tix_T]
 
 
@@ -330,27 +333,29 @@ def test_align_top_k_trains_only_rows_whose_greedy_chain_is_alive(tmp_path, smol
     with torch.no_grad():
         logits_T = tr.forward(b)
         p_NW, top1_N = tr.teacher(b)
-    hit, want, chain = {}, [], []  # hit[(row, step)]: the draft's top-1 is the target's there
+    hit, want, chain, reached = {}, [], [], []  # hit[(row, step)]: the draft's top-1 is the target's there
     for i, (logits_MW, tix_M, rows_M) in enumerate(zip(logits_T, b.tix_T, b.rows_T)):
-        total, alive = 0.0, 0
+        total, alive, reach = 0.0, 0, 0
         for z, t, r in zip(logits_MW, tix_M.tolist(), rows_M.tolist()):
             earlier = all(hit.get((r, j), False) for j in range(i))
             hit[(r, i)] = int(top1_N[t]) >= 0 and int(z.argmax()) == int(top1_N[t])
             if earlier and int(top1_N[t]) >= 0:
                 total += float(-(p_NW[t] * torch.log_softmax(z.double(), -1)).sum())
             alive += earlier and hit[(r, i)]
+            reach += earlier
         want.append(total)
         chain.append(alive)
+        reached.append(reach)
     assert chain[0] > chain[1] > 0  # some rows miss, some go on: both branches of the mask run
     held = evaluate(tr, [b])
     valid = [int((top1_N[tix_M] >= 0).sum()) for tix_M in b.tix_T]
     assert held["loss_T"] == pytest.approx([w / v for w, v in zip(want, valid)], rel=1e-5)
     rows0 = len(b.rows_T[0])
     assert held["tau_chain_rows"] == pytest.approx(1 + sum(chain) / rows0)
-    assert held["chain_acc_rows_T"] == pytest.approx([c / r for c, r in zip(chain, [rows0] + chain[:-1])])
+    assert reached[0] == rows0 and held["chain_acc_rows_T"] == pytest.approx([c / r for c, r in zip(chain, reached)])
     out = train_step(tr, [b], step)
     torch.testing.assert_close(out["loss_sum_T"].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-4)
-    assert out["chain_T"].tolist() == chain
+    assert out["chain_T"].tolist() == chain and out["reached_T"].tolist() == reached
 
 
 def test_online_states_of_right_padded_rows_equal_plain_forwards(smol_prep, tiny_target):
@@ -394,7 +399,7 @@ def test_accumulated_window_equals_one_packed_row(tmp_path, smol_prep, tiny_targ
     tr2, _ = build.build_trainer(cfg, data, torch.device("cpu"), total_steps=sched.total)
     packed = train_step(tr2, [one], step)
     params_one = torch.cat([p.detach().flatten() for p in tr2.draft.parameters()])
-    for key in ("loss_sum_T", "valid_T", "correct_T", "grad_norm"):
+    for key in ("loss_sum_T", "valid_T", "correct_T", "reached_T", "chain_T", "grad_norm"):
         torch.testing.assert_close(accumulated[key], packed[key], rtol=1e-5, atol=1e-6)
     # AdamW's first update is about lr (1e-3) x sign(grad) wherever |grad| >> eps, and a gradient
     # near eps turns summation-order noise into up to ~1e-6 here (seen once in 90k weights): 1% of lr

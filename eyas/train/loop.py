@@ -100,7 +100,7 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
     """One optimizer step over this rank's micro-batches of the accumulation window.
 
     `before_sync()` runs once every backward is queued and before the step's host sync (`Lookahead`
-    prepares the next window there). -> local sums: loss_sum_T, correct_T, valid_T, chain_T (device), mask_T
+    prepares the next window there). -> local sums: loss_sum_T, correct_T, valid_T, reached_T, chain_T (device), mask_T
     (host), grad_norm (device), tokens (int).
     """
     batches = [tr.prepare(b) for b in batches]
@@ -115,18 +115,20 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
     global_valid_T = all_reduce_sum(valid_T.clone())
     loss_sum_T = torch.zeros_like(tr.weights_T)
     correct_T = torch.zeros_like(valid_T)
+    reached_T = torch.zeros_like(valid_T)
     alive_T = torch.zeros_like(valid_T)
     for j, (b, (p_NW, top1_N)) in enumerate(zip(batches, first)):
         if p_NW is None:
             p_NW = tr.teacher(b)[0]
         with no_sync(tr.model, sync=j == len(batches) - 1):
             logits_T = tr.forward(b)
-            ls_T, cor_T, _, chain_T = terms(tr, b, logits_T, p_NW, top1_N)
+            ls_T, cor_T, _, reach_T, chain_T = terms(tr, b, logits_T, p_NW, top1_N)
             # x world_size: DDP / FSDP average gradients over ranks, the global normaliser is a sum
             loss = weighted_loss(ls_T, global_valid_T, tr.weights_T) * tr.world_size
             loss.backward()
         loss_sum_T += ls_T.detach()
         correct_T += cor_T
+        reached_T += reach_T
         alive_T += chain_T
     del first, p_NW, top1_N, logits_T, ls_T, loss  # the W-wide tensors, freed before the next window's states
     if before_sync is not None:
@@ -140,7 +142,8 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
     tr.optimizer.zero_grad(set_to_none=True)
     # host-side counts stay on the host (a pageable host->device copy would wait for the GPU)
     mask_T = torch.tensor([sum(len(b.rows_T[i]) for b in batches) for i in range(tr.tc.ttt_steps)])
-    return {"loss_sum_T": loss_sum_T, "correct_T": correct_T, "valid_T": valid_T, "chain_T": alive_T, "mask_T": mask_T,
+    return {"loss_sum_T": loss_sum_T, "correct_T": correct_T, "valid_T": valid_T, "reached_T": reached_T, "chain_T": alive_T,
+            "mask_T": mask_T,
             "grad_norm": grad_norm.detach().float(), "tokens": sum(b.num_tokens for b in batches)}
 
 
@@ -157,13 +160,12 @@ def raise_non_finite(step: int, batches: list[Batch], loss_sum_T: torch.Tensor, 
 
 def summarize(sums: dict[str, torch.Tensor], weights_T: torch.Tensor) -> dict[str, Any]:
     """Global metrics from summed counters (all-reduced here: one collective, one host sync)."""
-    keys = ("loss_sum_T", "correct_T", "valid_T", "chain_T", "mask_T")
+    keys = ("loss_sum_T", "correct_T", "valid_T", "reached_T", "chain_T", "mask_T")
     device = sums["loss_sum_T"].device
     packed = all_reduce_sum(torch.stack([sums[k].to(device, torch.float64) for k in keys]))
-    loss_sum, correct, valid, chain, mask = packed.tolist()  # .tolist(): the logging sync point
+    loss_sum, correct, valid, reached, chain, mask = packed.tolist()  # .tolist(): the logging sync point
     loss_T = [s / max(v, 1) for s, v in zip(loss_sum, valid)]
     acc_T = [c / max(m, 1) for c, m in zip(correct, mask)]
-    reached_T = [mask[0]] + chain[:-1]
     w = weights_T.tolist()
     return {
         "loss": sum(wi * li for wi, li in zip(w, loss_T)),
@@ -171,7 +173,7 @@ def summarize(sums: dict[str, torch.Tensor], weights_T: torch.Tensor) -> dict[st
         "acc_T": acc_T,
         "tau": acceptance_length(acc_T),
         # the greedy chain teacher-forced: P(step i accepted | steps < i accepted), its length
-        "chain_acc_rows_T": [c / max(r, 1) for c, r in zip(chain, reached_T)],
+        "chain_acc_rows_T": [c / max(r, 1) for c, r in zip(chain, reached)],
         "tau_chain_rows": chain_length(chain, mask[0]),
         "valid_T": [int(v) for v in valid],
     }
@@ -181,17 +183,18 @@ def summarize(sums: dict[str, torch.Tensor], weights_T: torch.Tensor) -> dict[st
 def evaluate(tr: Trainer, loader, max_batches: int = 0) -> dict[str, Any]:
     tr.model.eval()
     sums = {k: torch.zeros(tr.tc.ttt_steps, device=tr.device, dtype=torch.float64)
-            for k in ("loss_sum_T", "correct_T", "valid_T", "chain_T")}
+            for k in ("loss_sum_T", "correct_T", "valid_T", "reached_T", "chain_T")}
     sums["mask_T"] = torch.zeros(tr.tc.ttt_steps, dtype=torch.float64)  # host-side counts
     for n, b in enumerate(loader):
         if max_batches and n >= max_batches:
             break
         b = tr.prepare(b)
         p_NW, top1_N = tr.teacher(b)
-        ls_T, cor_T, val_T, chain_T = terms(tr, b, tr.forward(b), p_NW, top1_N)
+        ls_T, cor_T, val_T, reach_T, chain_T = terms(tr, b, tr.forward(b), p_NW, top1_N)
         sums["loss_sum_T"] += ls_T
         sums["correct_T"] += cor_T
         sums["valid_T"] += val_T
+        sums["reached_T"] += reach_T
         sums["chain_T"] += chain_T
         sums["mask_T"] += torch.tensor([len(r) for r in b.rows_T], dtype=torch.float64)
     tr.model.train()
@@ -347,7 +350,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     log = MetricsLog(out / "metrics.jsonl", tr.rank, tc.tensorboard, start)
     ckpt_root = out / "checkpoints"
     zero = {k: torch.zeros(tc.ttt_steps, device=tr.device if k != "mask_T" else "cpu", dtype=torch.float64)
-            for k in ("loss_sum_T", "correct_T", "valid_T", "chain_T", "mask_T")}
+            for k in ("loss_sum_T", "correct_T", "valid_T", "reached_T", "chain_T", "mask_T")}
     acc = {k: v.clone() for k, v in zero.items()}
     tokens, norms, t0, paused = 0, [], time.perf_counter(), 0.0  # paused: evaluation and checkpoints
     last_train: dict[str, Any] = {}

@@ -22,15 +22,22 @@ verification, the bonus token counted).
 
 Chain counts: a row t is *alive* after step i when the draft's top-1 equalled the teacher's top-1
 at every step 0..i of row t (each of them a trained position): the greedy chain drafted from t
-would still be accepted there. chain_T[i] counts those rows; tau_chain_rows = 1 + sum_i
+would still be accepted there. chain_T[i] counts those rows, reached_T[i] the rows of step i alive
+before it (a chain whose answer ends before step i is in neither); tau_chain_rows = 1 + sum_i
 chain_T[i] / (rows at step 0) is the chain's acceptance length teacher-forced, averaged over every
 start row (a chain that reaches the end of its answer stops there, as serving's does). A decoder's
 tau (tokens / verify passes) is lower: its passes start only after a miss or a bonus token, so an
-easy stretch counts once per pass, not once per row (session 15's held-out split: BENCHMARKS.md). With train.align_top_k = k > 0 the loss
-of step i keeps only rows alive under top-k (the teacher's top-1 among the draft's k best at every
-earlier step; k = 1: the greedy chain), GRIFFIN's token-alignable training: a serving engine
-never drafts step i after a rejected step, so those rows only spend the draft's capacity. The
-normaliser stays the count of valid rows of step i, so a step's weight falls with its alive share.
+easy stretch counts once per pass, not once per row (session 15's held-out split: BENCHMARKS.md).
+Both the chain and the mask compare with the teacher's top-1 while the next step reads the data's
+token: they are the serving chain's where the data is the target's own greedy output (regenerated
+answers), an approximation elsewhere.
+
+With train.align_top_k = k > 0 the loss of step i keeps only rows alive under top-k (the
+teacher's top-1 among the draft's k best at every earlier step; k = 1: the greedy chain), after
+GRIFFIN's token-alignable training: a serving engine never drafts step i after a rejected step,
+so those rows only spend the draft's capacity. The normaliser stays the count of valid rows of
+step i, so a step's weight falls with its alive share (GRIFFIN's trainer divides by the kept
+rows instead).
 """
 
 from __future__ import annotations
@@ -69,16 +76,17 @@ def step_terms(
     num_rows: int,
     top1_weight: float = 0.0,
     align_top_k: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per TTT step over this micro-batch -> (loss_sum_T with grad, num_correct_T, num_valid_T,
-    num_chain_T).
+    num_reached_T: rows of step i alive after the steps before it, num_chain_T: of them, alive
+    after step i too).
 
     logits_T[i]: draft logits [M, W] of step i's selected rows; tix_T[i]: their teacher rows;
     rows_T[i]: the flat rows themselves (< num_rows), which tie a row's steps together;
     top1_weight: the top-1 cross-entropy's share of each position's loss (train.top1_weight);
     align_top_k: train.align_top_k (0 = every valid row trains).
     """
-    loss_sums, correct, valid, chain = [], [], [], []
+    loss_sums, correct, valid, reached, chain = [], [], [], [], []
     device = top1_N.device
     alive_R = torch.ones(num_rows, dtype=torch.bool, device=device)  # greedy chain still accepted
     keep_R = torch.ones(num_rows, dtype=torch.bool, device=device)  # align_top_k's mask
@@ -95,6 +103,7 @@ def step_terms(
         hit_M = logits_MW.detach().argmax(-1) == top1_M  # top1 -1 never matches
         correct.append(hit_M.sum())
         valid.append(ok_M.sum())
+        reached.append(alive_R[rows_M].sum())
         alive_M = alive_R[rows_M] & hit_M
         chain.append(alive_M.sum())
         alive_R = torch.zeros_like(alive_R).index_put_((rows_M,), alive_M)  # rows not trained here die
@@ -102,7 +111,8 @@ def step_terms(
             k = min(align_top_k, logits_MW.shape[-1])
             in_top_M = hit_M if k == 1 else (logits_MW.detach().topk(k, -1).indices == top1_M[:, None]).any(-1)
             keep_R = torch.zeros_like(keep_R).index_put_((rows_M,), keep_R[rows_M] & in_top_M)
-    return torch.stack(loss_sums), torch.stack(correct), torch.stack(valid), torch.stack(chain)
+    return (torch.stack(loss_sums), torch.stack(correct), torch.stack(valid), torch.stack(reached),
+            torch.stack(chain))
 
 
 def step_weights(num_steps: int, gamma: float, device=None) -> torch.Tensor:
