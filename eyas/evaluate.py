@@ -447,7 +447,7 @@ def teacher_forced_chain(
     TTT forward of the draft over prompt + output. acc[i]: TTT step i's top-1 == the output token
     it predicts, over every output token (as training's acc_T); tau_hat from acc as training logs
     it; tau_sim etc.: the simulated passes, pooled (a pass running past a prompt's output counts
-    its lower bound). Where chain_runs[i] decoded the same prompt into the same output, its
+    its lower bound); `prompts`: each prompt's simulated passes and tokens, for splits by turn. Where chain_runs[i] decoded the same prompt into the same output, its
     measured passes are compared with the simulated ones (`SimulatedChain.matches`); chain_runs
     None (evaluate.mode=simulate): nothing to compare."""
     from eyas.capture import capture
@@ -459,7 +459,7 @@ def teacher_forced_chain(
     layer_ids = list(draft.config.aux_layer_ids)
     correct_T = torch.zeros(k, dtype=torch.long, device=device)
     valid_T = torch.zeros(k, dtype=torch.long, device=device)
-    pooled, compared, mismatches = SpecStats(), 0, []
+    pooled, compared, mismatches, prompts = SpecStats(), 0, [], []
     for ref, run in zip(ref_runs, chain_runs if chain_runs is not None else [None] * len(ref_runs)):
         start = len(ref["prompt_ids"])
         ids_S = torch.tensor(ref["prompt_ids"] + ref["gen"].tokens, device=device)
@@ -472,7 +472,10 @@ def teacher_forced_chain(
         correct_T += correct_TS.sum(1)
         valid_T += label_mask(k, ids_S.shape[0], start, device).sum(1)
         sim = simulate_chain(correct_TS, start, ids_S.shape[0], k)  # one host copy per prompt
-        pooled.merge(sim.stats())
+        stats = sim.stats()
+        pooled.merge(stats)
+        prompts.append({"id": ref["id"], "turn": ref["turn"], "verify_passes": stats.verify_passes,
+                        "new_tokens": stats.new_tokens})
         if run is not None and run["prompt_ids"] == ref["prompt_ids"] and run["gen"].tokens == ref["gen"].tokens:
             compared += 1
             if not sim.matches(run["gen"].stats):
@@ -495,6 +498,7 @@ def teacher_forced_chain(
         "num_matching": compared - len(mismatches),
         "matches_decoder": not mismatches if compared else None,
         "mismatches": mismatches,
+        "prompts": prompts,
         "wall_s": time.perf_counter() - t0,
     }
 

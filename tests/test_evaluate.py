@@ -326,6 +326,10 @@ def test_simulate_mode_gives_the_chain_decoders_passes_without_decoding(tiny_run
     # the same passes, the same acceptances but in each prompt's last pass, which the simulation
     # counts at its lower bound (eyas.spec.simulate): tau no higher than the decoder's
     assert tf["verify_passes"] == ref["verify_passes"]
+    # and per prompt (for splits by turn): the same passes as the decoder's record of that prompt
+    decoded = {(r["id"], r["turn"]): r["chain"]["verify_passes"] for r in chain["records"]}
+    assert {(p["id"], p["turn"]): p["verify_passes"] for p in tf["prompts"]} == decoded
+    assert sum(p["new_tokens"] for p in tf["prompts"]) / tf["verify_passes"] == pytest.approx(tf["tau_sim"])
     assert [p["reached"] for p in tf["acceptance_per_position"]][:1] == [ref["verify_passes"]]
     assert sim["tau_chain_simulated"] == tf["tau_sim"] <= chain["tau_chain"]
     assert chain["tau_chain"] - tf["tau_sim"] <= 3 * 3 / ref["verify_passes"]  # at most k per prompt
