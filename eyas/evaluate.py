@@ -447,9 +447,10 @@ def teacher_forced_chain(
     TTT forward of the draft over prompt + output. acc[i]: TTT step i's top-1 == the output token
     it predicts, over every output token (as training's acc_T); tau_hat from acc as training logs
     it; tau_sim etc.: the simulated passes, pooled (a pass running past a prompt's output counts
-    its lower bound); `prompts`: each prompt's simulated passes and tokens, for splits by turn. Where chain_runs[i] decoded the same prompt into the same output, its
-    measured passes are compared with the simulated ones (`SimulatedChain.matches`); chain_runs
-    None (evaluate.mode=simulate): nothing to compare."""
+    its lower bound); `prompts`: each prompt's simulated passes and tokens, for splits by turn.
+    Where chain_runs[i] decoded the same prompt into the same output, its measured passes are
+    compared with the simulated ones (`SimulatedChain.matches`); chain_runs None
+    (evaluate.mode=simulate): nothing to compare."""
     from eyas.capture import capture
     from eyas.spec.simulate import label_mask, simulate_chain, teacher_forced_steps
     from eyas.train.loss import acceptance_length

@@ -87,6 +87,10 @@ class Trainer:
             return self.model(batch.aux_BSKD, batch.input_ids_BS, batch.pos_BS, masks, batch.rows_T)
 
 
+COUNTERS = ("loss_sum_T", "correct_T", "valid_T", "reached_T", "chain_T", "mask_T")
+"""Per-TTT-step sums `train_step` returns and `summarize` turns into metrics (mask_T on the host)."""
+
+
 def num_valid(top1_N: torch.Tensor, tix_T: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([(top1_N[tix] >= 0).sum() for tix in tix_T])
 
@@ -100,8 +104,8 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
     """One optimizer step over this rank's micro-batches of the accumulation window.
 
     `before_sync()` runs once every backward is queued and before the step's host sync (`Lookahead`
-    prepares the next window there). -> local sums: loss_sum_T, correct_T, valid_T, reached_T, chain_T (device), mask_T
-    (host), grad_norm (device), tokens (int).
+    prepares the next window there). -> local sums: COUNTERS (mask_T on the host, the others on the
+    device), grad_norm (device), tokens (int).
     """
     batches = [tr.prepare(b) for b in batches]
     # The loss is normalised by the number of valid positions of the whole window on all ranks,
@@ -142,9 +146,8 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
     tr.optimizer.zero_grad(set_to_none=True)
     # host-side counts stay on the host (a pageable host->device copy would wait for the GPU)
     mask_T = torch.tensor([sum(len(b.rows_T[i]) for b in batches) for i in range(tr.tc.ttt_steps)])
-    return {"loss_sum_T": loss_sum_T, "correct_T": correct_T, "valid_T": valid_T, "reached_T": reached_T, "chain_T": alive_T,
-            "mask_T": mask_T,
-            "grad_norm": grad_norm.detach().float(), "tokens": sum(b.num_tokens for b in batches)}
+    return {"loss_sum_T": loss_sum_T, "correct_T": correct_T, "valid_T": valid_T, "reached_T": reached_T,
+            "chain_T": alive_T, "mask_T": mask_T, "grad_norm": grad_norm.detach().float(), "tokens": sum(b.num_tokens for b in batches)}
 
 
 def raise_non_finite(step: int, batches: list[Batch], loss_sum_T: torch.Tensor, grad_norm: torch.Tensor) -> None:
@@ -160,9 +163,8 @@ def raise_non_finite(step: int, batches: list[Batch], loss_sum_T: torch.Tensor, 
 
 def summarize(sums: dict[str, torch.Tensor], weights_T: torch.Tensor) -> dict[str, Any]:
     """Global metrics from summed counters (all-reduced here: one collective, one host sync)."""
-    keys = ("loss_sum_T", "correct_T", "valid_T", "reached_T", "chain_T", "mask_T")
     device = sums["loss_sum_T"].device
-    packed = all_reduce_sum(torch.stack([sums[k].to(device, torch.float64) for k in keys]))
+    packed = all_reduce_sum(torch.stack([sums[k].to(device, torch.float64) for k in COUNTERS]))
     loss_sum, correct, valid, reached, chain, mask = packed.tolist()  # .tolist(): the logging sync point
     loss_T = [s / max(v, 1) for s, v in zip(loss_sum, valid)]
     acc_T = [c / max(m, 1) for c, m in zip(correct, mask)]
@@ -183,7 +185,7 @@ def summarize(sums: dict[str, torch.Tensor], weights_T: torch.Tensor) -> dict[st
 def evaluate(tr: Trainer, loader, max_batches: int = 0) -> dict[str, Any]:
     tr.model.eval()
     sums = {k: torch.zeros(tr.tc.ttt_steps, device=tr.device, dtype=torch.float64)
-            for k in ("loss_sum_T", "correct_T", "valid_T", "reached_T", "chain_T")}
+            for k in COUNTERS if k != "mask_T"}
     sums["mask_T"] = torch.zeros(tr.tc.ttt_steps, dtype=torch.float64)  # host-side counts
     for n, b in enumerate(loader):
         if max_batches and n >= max_batches:
@@ -350,7 +352,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     log = MetricsLog(out / "metrics.jsonl", tr.rank, tc.tensorboard, start)
     ckpt_root = out / "checkpoints"
     zero = {k: torch.zeros(tc.ttt_steps, device=tr.device if k != "mask_T" else "cpu", dtype=torch.float64)
-            for k in ("loss_sum_T", "correct_T", "valid_T", "reached_T", "chain_T", "mask_T")}
+            for k in COUNTERS}
     acc = {k: v.clone() for k, v in zero.items()}
     tokens, norms, t0, paused = 0, [], time.perf_counter(), 0.0  # paused: evaluation and checkpoints
     last_train: dict[str, Any] = {}
@@ -378,7 +380,8 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             log.write(last_train)
             if tr.rank == 0:
                 print(f"[eyas:train] step {done}/{sched.total} loss {rec['loss']:.4f} acc0 {rec['acc_T'][0]:.3f} "
-                      f"tau {rec['tau']:.3f} chain rows {rec['tau_chain_rows']:.3f} lr {last_train['lr']:.2e} |g| {last_train['grad_norm']:.3f} "
+                      f"tau {rec['tau']:.3f} chain rows {rec['tau_chain_rows']:.3f} lr {last_train['lr']:.2e} "
+                      f"|g| {last_train['grad_norm']:.3f} "
                       f"{last_train['tokens_per_s']:.0f} tok/s", flush=True)
             acc = {k: v.clone() for k, v in zero.items()}
             tokens, norms, t0, paused = 0, [], time.perf_counter(), 0.0

@@ -103,8 +103,9 @@ def step_terms(
         hit_M = logits_MW.detach().argmax(-1) == top1_M  # top1 -1 never matches
         correct.append(hit_M.sum())
         valid.append(ok_M.sum())
-        reached.append(alive_R[rows_M].sum())
-        alive_M = alive_R[rows_M] & hit_M
+        before_M = alive_R[rows_M]
+        reached.append(before_M.sum())
+        alive_M = before_M & hit_M
         chain.append(alive_M.sum())
         alive_R = torch.zeros_like(alive_R).index_put_((rows_M,), alive_M)  # rows not trained here die
         if align_top_k:
