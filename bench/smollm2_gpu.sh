@@ -22,7 +22,8 @@
 #               the train/evaluate overrides the later phases read, from TRAIN_STEPS (3000),
 #               TRAIN_SECONDS and EVAL_SECONDS (the budgets, 420 each), TRAIN_MODE (offline; online =
 #               no extract stage), TRAIN_COMPILE (default: measured here, the SmolLM2 draft's step
-#               eager vs compiled, at TRAIN_ARGS's MLP width and layer count) and TRAIN_ARGS (more eyas overrides for every later phase, e.g.
+#               eager vs compiled, at TRAIN_ARGS's MLP width and layer count), LOSS_KERNEL (default:
+#               measured here, train.loss_kernel eager vs compiled on that step; compiled when faster) and TRAIN_ARGS (more eyas overrides for every later phase, e.g.
 #               "--train.intermediate_size=6144": a wider draft; "--train.num_layers=2
 #               --export.format=speculators": two draft layers, which SGLang's layout cannot hold)
 #   regenerate_rest  .carry/p2 (the GGUF's second half) and .carry/r2 (sharegpt_rest: the ShareGPT
@@ -186,22 +187,32 @@ keep)
     # the SmolLM2 draft's training step eager vs torch.compile (rows of 8 x 2048 tokens as the recipe's
     # 16384): the train call compiles when that is >= 10% faster (TRAIN_COMPILE=true/false decides instead)
     compile=${TRAIN_COMPILE:-}
+    # the draft's shape from TRAIN_ARGS (MLP width, layers), else SmolLM2's own width and one layer
+    width=$(grep -o -- "--train.intermediate_size=[0-9]*" <<< "${TRAIN_ARGS:-}" | tail -n1 | cut -d= -f2 || true)
+    layers=$(grep -o -- "--train.num_layers=[0-9]*" <<< "${TRAIN_ARGS:-}" | tail -n1 | cut -d= -f2 || true)
+    rate() { timeout 150 python3 bench/train.py --hidden 576 --heads 9 --kv-heads 3 --intermediate ${width:-1536} \
+        --num-layers ${layers:-1} \
+        --vocab 49152 --draft-vocab 32000 --target-layers 30 --seq 2048 --pack 8 --steps 20 "$@" 2>&1 \
+        | tee /dev/stderr | grep -o "[0-9,]* tokens/s" | head -1 | tr -d ", tokens/" || true; }
     if [[ -z $compile ]]; then
-        # the draft's shape from TRAIN_ARGS (MLP width, layers), else SmolLM2's own width and one layer
-        width=$(grep -o -- "--train.intermediate_size=[0-9]*" <<< "${TRAIN_ARGS:-}" | tail -n1 | cut -d= -f2 || true)
-        layers=$(grep -o -- "--train.num_layers=[0-9]*" <<< "${TRAIN_ARGS:-}" | tail -n1 | cut -d= -f2 || true)
-        rate() { timeout 150 python3 bench/train.py --hidden 576 --heads 9 --kv-heads 3 --intermediate ${width:-1536} \
-            --num-layers ${layers:-1} \
-            --vocab 49152 --draft-vocab 32000 --target-layers 30 --seq 2048 --pack 8 --steps 20 "$@" 2>&1 \
-            | tee /dev/stderr | grep -o "[0-9,]* tokens/s" | head -1 | tr -d ", tokens/" || true; }
         eager=$(rate); compiled=$(rate --compile)
         stamp "SmolLM2 draft training step: eager ${eager:-?} tok/s, compiled ${compiled:-?} tok/s"
         compile=false
         [[ -n $eager && -n $compiled ]] && (( compiled * 10 >= eager * 11 )) && compile=true
     fi
+    # the TTT loss eager vs under torch.compile (train.loss_kernel), the decoder step as chosen above:
+    # the train calls use the compiled loss when it ran and was faster (LOSS_KERNEL=eager/compiled decides instead)
+    loss_kernel=${LOSS_KERNEL:-}
+    if [[ -z $loss_kernel ]]; then
+        dec=(); [[ $compile == true ]] && dec=(--compile)
+        eager_loss=$(rate ${dec[@]+"${dec[@]}"} --loss-kernel eager); compiled_loss=$(rate ${dec[@]+"${dec[@]}"} --loss-kernel compiled)
+        stamp "SmolLM2 draft training step, loss eager ${eager_loss:-?} tok/s, loss compiled ${compiled_loss:-?} tok/s"
+        loss_kernel=eager
+        [[ -n $eager_loss && -n $compiled_loss ]] && (( compiled_loss > eager_loss )) && loss_kernel=compiled
+    fi
     df -h / /dev/shm; free -g | head -2  # room for offline states (the train phase decides where they go)
     rm -f "$KEEP/states_placed"
-    echo "--train.max_steps=${TRAIN_STEPS:-3000} --train.max_seconds=${TRAIN_SECONDS:-420} --evaluate.max_seconds=${EVAL_SECONDS:-420} --train.mode=${TRAIN_MODE:-offline} --train.compile=$compile ${TRAIN_ARGS:-}" > "$KEEP/train_overrides"
+    echo "--train.max_steps=${TRAIN_STEPS:-3000} --train.max_seconds=${TRAIN_SECONDS:-420} --evaluate.max_seconds=${EVAL_SECONDS:-420} --train.mode=${TRAIN_MODE:-offline} --train.compile=$compile --train.loss_kernel=$loss_kernel ${TRAIN_ARGS:-}" > "$KEEP/train_overrides"
     stamp "train overrides: $(cat $KEEP/train_overrides)"
     ;;
 source)

@@ -3,6 +3,7 @@
     python bench/train.py                          # Llama-3.1-8B dims: D 4096, V 128256, W 32000,
                                                    #   seq 2048, TTT 7, flex attention, bf16 autocast
     python bench/train.py --compile --pack 2       # torch.compile the decoder step; 2 x 2048 per row
+    python bench/train.py --loss-kernel eager      # the TTT loss in plain torch ops (default on CUDA: compiled)
     python bench/train.py --grad-accum 4           # 4 micro-batches per optimizer step: tokens/s and
                                                    #   peak memory against --grad-accum 1
     OUT=/tmp/o python bench/train.py               # also writes $OUT/bench_train.json
@@ -64,6 +65,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--loss-fraction", type=float, default=1.0, help="fraction of tokens with loss mask 1")
     p.add_argument("--attention", default="flex", choices=["auto", "flex", "sdpa"])
     p.add_argument("--compile", action="store_true", help="torch.compile the draft's decoder step")
+    p.add_argument("--loss-kernel", default="auto", choices=["auto", "eager", "compiled"],
+                   help="train.loss_kernel: each TTT step's loss eager or under torch.compile (auto: compiled on CUDA)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", default="cuda")
@@ -143,6 +146,7 @@ def main() -> int:
         "--run_dir=/tmp/eyas-bench", f"--train.ttt_steps={a.ttt}", f"--train.max_tokens={a.seq * a.pack}",
         f"--train.attention={a.attention}", f"--train.compile={str(a.compile).lower()}", "--train.num_workers=0",
         "--train.warmup_steps=1", f"--train.num_layers={a.num_layers}", "--export.format=speculators",
+        f"--train.loss_kernel={a.loss_kernel}",
     ])
     tr, dcfg = build.build_trainer(cfg, data, device, total_steps=10_000)
     pad = 128 if tr.attention == "flex" else 0
@@ -156,7 +160,7 @@ def main() -> int:
     tokens = sum(b.num_tokens for b in batches)
     print(f"draft {tr.draft.num_trainable_parameters() / 1e6:.1f}M trainable parameters; D {a.hidden}, V {a.vocab}, "
           f"W {a.draft_vocab}, {a.num_layers} draft layer(s), {a.grad_accum} x {a.pack} x {a.seq} tokens per step, TTT {a.ttt}, {tr.attention} attention, "
-          f"compile {a.compile}", flush=True)
+          f"compile {a.compile}, loss kernel {a.loss_kernel}", flush=True)
     t0 = time.perf_counter()
     for s in range(a.warmup):
         train_step(tr, batches, s)

@@ -60,7 +60,7 @@ SECTIONS = {
 BUDGET_KEYS = {
     "regenerate": ("max_seconds",),
     "extract": ("allow_failures", "progress", "spill_dirs", "min_free_gb"),  # where shards go, not what they hold
-    "train": ("max_seconds", "resume", "num_workers", "tensorboard", "keep_checkpoints"),
+    "train": ("max_seconds", "resume", "num_workers", "tensorboard", "keep_checkpoints", "loss_kernel"),
 }
 RESUMABLE = ("regenerate", "train")  # a partial output of these is continued by the next run
 # keys added to a section after runs were made without them: at this value (the behaviour before

@@ -146,6 +146,37 @@ def test_chain_counts_and_align_mask_match_a_per_row_loop(k):
     assert valid.tolist() == [int((top1[t] >= 0).sum()) for t in tix_T]
 
 
+@pytest.mark.parametrize("top1_weight,k,dtype", [(0.0, 0, torch.float32), (0.5, 3, torch.bfloat16), (1.0, 1, torch.float32)])
+def test_compiled_loss_kernel_equals_eager(top1_weight, k, dtype):
+    """train.loss_kernel=compiled (row_terms under torch.compile, dynamic row counts) gives the eager
+    loss sums, counts and logits gradients, on steps of different row counts and with bf16 logits
+    (read in float32 either way), for the soft, mixed and top-1 losses and the align mask."""
+    g = torch.Generator().manual_seed(7)
+    num_rows, num_teacher, w = 50, 40, 300
+    p = torch.softmax(torch.randn(num_teacher, w, generator=g) * 3, -1)
+    top1 = p.argmax(-1)
+    top1[torch.randperm(num_teacher, generator=g)[:5]] = -1
+    sizes = [37, 29, 41, 33]  # a new row count per step: compiled once with dynamic shapes
+    rows_T = [torch.randperm(num_rows, generator=g)[:m].sort().values for m in sizes]
+    tix_T = [torch.randint(num_teacher, (m,), generator=g) for m in sizes]
+    base_T = [(p[t].log() + torch.randn(len(t), w, generator=g)).to(dtype) for t in tix_T]
+    out, grads = {}, {}
+    for compiled in (False, True):
+        logits_T = [z.clone().requires_grad_() for z in base_T]
+        terms = step_terms(logits_T, p, top1, tix_T, rows_T, num_rows, top1_weight, k, compiled)
+        (terms[0] * torch.tensor([1.0, 0.8, 0.64, 0.512])).sum().backward()
+        out[compiled], grads[compiled] = terms, [z.grad for z in logits_T]
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-4)
+    assert out[False][0].min() > 1  # every step trains rows
+    for a, b in zip(out[True][1:], out[False][1:]):
+        assert torch.equal(a, b)
+    assert 0 < int(out[True][4][-1]) < int(out[True][1][0])  # chains both survive and die
+    for a, b in zip(grads[True], grads[False]):
+        assert a.dtype == dtype and a.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6) if dtype == torch.float32 else \
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-4)
+
+
 def test_acceptance_length():
     assert acceptance_length([0.8, 0.5, 0.25]) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
     assert acceptance_length([0.0, 1.0]) == 1.0
@@ -404,6 +435,22 @@ def test_accumulated_window_equals_one_packed_row(tmp_path, smol_prep, tiny_targ
     # AdamW's first update is about lr (1e-3) x sign(grad) wherever |grad| >> eps, and a gradient
     # near eps turns summation-order noise into up to ~1e-6 here (seen once in 90k weights): 1% of lr
     torch.testing.assert_close(params_acc, params_one, rtol=1e-5, atol=1e-5)
+
+
+def test_one_step_with_the_compiled_loss_kernel_equals_eager(tmp_path, smol_prep, tiny_target):
+    """A whole optimizer step (teacher, TTT forward, loss, backward, AdamW) with
+    --train.loss_kernel=compiled gives eager's loss sums, counts, gradient norm and weights."""
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.align_top_k=2")
+    data = build.load_data(cfg, torch.device("cpu"))
+    eager = first_step(cfg, data)
+    compiled = first_step(tiny_cfg(tmp_path / "c", smol_prep, tiny_target, "--train.mode=online",
+                                   "--train.align_top_k=2", "--train.loss_kernel=compiled"), data)
+    assert eager[1] == compiled[1] and eager[0]["valid_T"].sum() > 50
+    for key in ("loss_sum_T", "grad_norm"):
+        torch.testing.assert_close(compiled[0][key], eager[0][key], rtol=1e-5, atol=1e-5)
+    for key in ("correct_T", "valid_T", "reached_T", "chain_T"):
+        assert torch.equal(compiled[0][key], eager[0][key])
+    torch.testing.assert_close(compiled[2], eager[2], rtol=1e-5, atol=1e-5)
 
 
 def test_offline_from_extract_shards_equals_online(tmp_path, smol_prep, tiny_target):

@@ -8,6 +8,7 @@ MODES = ("offline", "online")
 PRECISIONS = ("auto", "bf16", "fp32")
 PARALLELS = ("auto", "ddp", "fsdp")
 ATTENTIONS = ("auto", "sdpa", "flex")
+LOSS_KERNELS = ("auto", "eager", "compiled")
 
 
 @dataclass
@@ -74,6 +75,11 @@ class TrainConfig:
     large drafts) or auto (ddp). World size 1 runs the plain module."""
     compile: bool = False
     """torch.compile the draft's decoder step (GPU)."""
+    loss_kernel: str = "auto"
+    """How each TTT step's loss and accuracy are computed from its W-wide logits: eager (plain torch
+    ops, each a pass over float32 rows x W), compiled (the same function under torch.compile, fused:
+    a few passes over the logits, the teacher rows gathered inside; compiled once per process) or
+    auto (compiled on CUDA, eager elsewhere). Both compute the same loss up to float32 rounding."""
     attention: str = "auto"
     """TTT attention kernel: sdpa (explicit boolean [S, (i+1)S] masks: memory and time quadratic in
     the row length, fine for CPU-sized rows), flex (FlexAttention block masks that skip empty tiles,
@@ -137,6 +143,8 @@ class TrainConfig:
         require(self.step_weight > 0, f"train.step_weight={self.step_weight} must be > 0")
         require(0.0 <= self.top1_weight <= 1.0, f"train.top1_weight={self.top1_weight} must lie in [0, 1]")
         require(self.align_top_k >= 0, f"train.align_top_k={self.align_top_k} must be >= 0 (0 = off)")
+        require(self.loss_kernel in LOSS_KERNELS,
+                f"train.loss_kernel={self.loss_kernel!r}: choose one of {', '.join(LOSS_KERNELS)}")
         require(self.lr > 0, f"train.lr={self.lr} must be > 0")
         require(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio={self.min_lr_ratio} must lie in [0, 1]")
         require(0.0 <= self.warmup_ratio < 1.0, f"train.warmup_ratio={self.warmup_ratio} must lie in [0, 1)")

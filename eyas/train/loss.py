@@ -67,6 +67,39 @@ def teacher_targets(
     return p_NW, top1_N
 
 
+def row_terms(
+    logits_MW: torch.Tensor,
+    p_NW: torch.Tensor,
+    tix_M: torch.Tensor,
+    top1_M: torch.Tensor,
+    train_M: torch.Tensor,
+    top1_weight: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One TTT step's rows -> (the loss summed over the rows of train_M (with grad), hit_M: the
+    draft's top-1 is the teacher's). The logits are read in float32 whatever their dtype; the
+    teacher rows are gathered here, so a compiled form (`compiled_row_terms`) reads the logits and
+    the teacher in one pass instead of materialising float32 copies of both."""
+    z_MW = logits_MW.float()
+    ce_M = F.cross_entropy(z_MW, p_NW[tix_M], reduction="none") if top1_weight < 1.0 else 0.0
+    if top1_weight > 0.0:  # an invalid row's top-1 (-1) reads class 0, masked below
+        hard_M = F.cross_entropy(z_MW, top1_M.clamp(min=0), reduction="none")
+        ce_M = (1.0 - top1_weight) * ce_M + top1_weight * hard_M
+    return torch.where(train_M, ce_M, 0.0).sum(), z_MW.detach().argmax(-1) == top1_M  # top1 -1 never matches
+
+
+_compiled_row_terms = None
+
+
+def compiled_row_terms():
+    """`row_terms` under torch.compile (dynamic row counts; compiled once per process): on a GPU the
+    W-wide float32 passes of the eager loss (cast, gather, log-softmax, its backward) are memory
+    bound, and fused they read each step's logits a few times instead of a dozen (train.loss_kernel)."""
+    global _compiled_row_terms
+    if _compiled_row_terms is None:
+        _compiled_row_terms = torch.compile(row_terms, dynamic=True)
+    return _compiled_row_terms
+
+
 def step_terms(
     logits_T: list[torch.Tensor],
     p_NW: torch.Tensor,
@@ -76,6 +109,7 @@ def step_terms(
     num_rows: int,
     top1_weight: float = 0.0,
     align_top_k: int = 0,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per TTT step over this micro-batch -> (loss_sum_T with grad, num_correct_T, num_valid_T,
     num_reached_T: rows of step i alive after the steps before it, num_chain_T: of them, alive
@@ -84,23 +118,20 @@ def step_terms(
     logits_T[i]: draft logits [M, W] of step i's selected rows; tix_T[i]: their teacher rows;
     rows_T[i]: the flat rows themselves (< num_rows), which tie a row's steps together;
     top1_weight: the top-1 cross-entropy's share of each position's loss (train.top1_weight);
-    align_top_k: train.align_top_k (0 = every valid row trains).
+    align_top_k: train.align_top_k (0 = every valid row trains); compiled: the row terms under
+    torch.compile (`compiled_row_terms`).
     """
     loss_sums, correct, valid, reached, chain = [], [], [], [], []
     device = top1_N.device
+    terms = compiled_row_terms() if compiled else row_terms
     alive_R = torch.ones(num_rows, dtype=torch.bool, device=device)  # greedy chain still accepted
     keep_R = torch.ones(num_rows, dtype=torch.bool, device=device)  # align_top_k's mask
     for logits_MW, tix_M, rows_M in zip(logits_T, tix_T, rows_T):
-        p_MW, top1_M = p_NW[tix_M], top1_N[tix_M]
+        top1_M = top1_N[tix_M]
         ok_M = top1_M >= 0
-        z_MW = logits_MW.float()
-        ce_M = F.cross_entropy(z_MW, p_MW, reduction="none") if top1_weight < 1.0 else 0.0
-        if top1_weight > 0.0:  # an invalid row's top-1 (-1) reads class 0, masked below
-            hard_M = F.cross_entropy(z_MW, top1_M.clamp(min=0), reduction="none")
-            ce_M = (1.0 - top1_weight) * ce_M + top1_weight * hard_M
         train_M = ok_M & keep_R[rows_M] if align_top_k else ok_M
-        loss_sums.append(torch.where(train_M, ce_M, 0.0).sum())
-        hit_M = logits_MW.detach().argmax(-1) == top1_M  # top1 -1 never matches
+        loss_sum, hit_M = terms(logits_MW, p_NW, tix_M, top1_M, train_M, float(top1_weight))
+        loss_sums.append(loss_sum)
         correct.append(hit_M.sum())
         valid.append(ok_M.sum())
         before_M = alive_R[rows_M]

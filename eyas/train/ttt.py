@@ -128,11 +128,12 @@ class TTTDraft(nn.Module):
         self.draft = draft
 
     def forward(self, aux_BSKD, input_ids_BS, pos_BS, masks: list, rows_T: list[torch.Tensor]) -> list[torch.Tensor]:
-        """-> [logits_MW of step i at the flat rows rows_T[i]] (float32)."""
+        """-> [logits_MW of step i at the flat rows rows_T[i]] (in the autocast dtype: the loss reads
+        them in float32)."""
         outs = ttt_forward(self.draft, aux_BSKD, input_ids_BS, pos_BS, masks)
         logits = []
         for prenorm_BSD, rows_M in zip(outs, rows_T):
-            logits.append(self.draft.logits(prenorm_BSD.flatten(0, 1)[rows_M]).float())
+            logits.append(self.draft.logits(prenorm_BSD.flatten(0, 1)[rows_M]))
         return logits
 
 
