@@ -250,6 +250,8 @@ def test_tiny_run_on_real_smollm2_states_learns(tmp_path, smol_prep, smol_model)
     assert read_meta(out, "train")["metrics"]["tau"] == pytest.approx(last["tau"]) == meta["metrics"]["tau"]
     # the stage's rate: every window of the run (not the last one alone), then without the first
     seconds = [r["tokens"] / r["tokens_per_s"] for r in recs]
+    assert [r["seconds"] for r in recs] == pytest.approx(seconds, rel=1e-9)
+    assert all(0 < r["loader_s"] < r["seconds"] for r in recs)  # the loader's share of each window, on the host
     m = meta["metrics"]
     assert m["tokens_per_s"] == pytest.approx(sum(r["tokens"] for r in recs) / sum(seconds), rel=1e-9)
     assert m["tokens_per_s_after_first_window"] == pytest.approx(

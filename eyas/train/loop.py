@@ -265,12 +265,14 @@ class Lookahead:
     it, so its Python and launch overhead can overlap the GPU's work on this step (offline: the wait
     on the loader and the host->device copies). A host sync inside the target's forward would still
     wait for this step; the gain is not measured on a GPU yet. Holds two windows' states at a time;
-    `close` drops the one prepared past the loop's end."""
+    `close` drops the one prepared past the loop's end. `loader_s` adds up the host seconds spent
+    getting windows from the loader and preparing them (the fit loop reads and resets it per logged
+    window: near the window's own seconds, the loader, not the GPU, sets the pace)."""
 
     _END = object()
 
     def __init__(self, tr: Trainer, windows):
-        self.tr, self.windows, self.ready = tr, windows, None
+        self.tr, self.windows, self.ready, self.loader_s = tr, windows, None, 0.0
 
     def __iter__(self) -> "Lookahead":
         return self
@@ -285,12 +287,14 @@ class Lookahead:
     def launch_next(self) -> None:
         if self.ready is not None:
             return
+        t0 = time.perf_counter()
         try:
             step, epoch, batches = next(self.windows)
         except StopIteration:
             self.ready = self._END
             return
         self.ready = (step, epoch, [self.tr.prepare(b) for b in batches])
+        self.loader_s += time.perf_counter() - t0
 
     def close(self) -> None:
         self.ready = self._END
@@ -377,13 +381,15 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             windows_log.append((num_tokens, dt))
             last_train = dict(step=done, epoch=epoch, split="train", **rec, lr=tr.scheduler.get_last_lr()[0],
                               grad_norm=float(torch.stack(norms).mean()), tokens=int(num_tokens),
-                              tokens_per_s=num_tokens / max(dt, 1e-9))
+                              tokens_per_s=num_tokens / max(dt, 1e-9), seconds=dt, loader_s=windows.loader_s)
+            windows.loader_s = 0.0
             log.write(last_train)
             if tr.rank == 0:
                 print(f"[eyas:train] step {done}/{sched.total} loss {rec['loss']:.4f} acc0 {rec['acc_T'][0]:.3f} "
                       f"tau {rec['tau']:.3f} chain rows {rec['tau_chain_rows']:.3f} lr {last_train['lr']:.2e} "
                       f"|g| {last_train['grad_norm']:.3f} "
-                      f"{last_train['tokens_per_s']:.0f} tok/s", flush=True)
+                      f"{last_train['tokens_per_s']:.0f} tok/s (loader {last_train['loader_s']:.1f} of {dt:.1f} s)",
+                      flush=True)
             acc = {k: v.clone() for k, v in zero.items()}
             tokens, norms, t0, paused = 0, [], time.perf_counter(), 0.0
             if tc.max_seconds and done < sched.total and out_of_time(tr, t_fit, tc.max_seconds):
