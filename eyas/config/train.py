@@ -127,6 +127,14 @@ class TrainConfig:
     """Write a checkpoint every N optimizer steps (0 = only the final one)."""
     keep_checkpoints: int = 2
     """Keep this many most recent checkpoints (0 = keep all)."""
+    init_from: str = ""
+    """A trained draft to start from instead of random weights: an eyas draft directory (train's
+    `final/`: draft.safetensors + draft_config.json) or an exported one (`eyas export`, either
+    layout: model.safetensors + config.json; a bf16 export starts the fp32 master weights from bf16
+    values). Its shape, aux layers and draft vocabulary must be this run's; the optimizer and the
+    learning-rate schedule (warmup, cosine) start afresh. For training a draft further than one
+    run's budget on new data or with a new schedule; `resume` continues the same run instead (a
+    resumed run reads its checkpoint, not this). Empty = random initialisation."""
     resume: str = ""
     """auto: continue from the latest checkpoint in OUT_DIR/checkpoints if there is one; a
     checkpoint directory: continue from it; empty: start fresh (an existing run is an error)."""

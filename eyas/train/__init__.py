@@ -66,12 +66,14 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
         atomic_write_text(out / "config.yaml", dump_config(cfg))
     barrier()
     try:
+        if tc.init_from and resume is None:
+            build.check_init_from(tc.init_from)
         if data is None:
             data = build.load_data(cfg, device)
         build.verify_shards(data.source, rank, world_size, device)
         train_idx, eval_idx = build.splits(cfg, data, rank)
         sched = Schedule(tc, train_idx, data.lengths, cfg.seed, rank, world_size)
-        tr, dcfg = build.build_trainer(cfg, data, device, rank, world_size, sched.total)
+        tr, dcfg = build.build_trainer(cfg, data, device, rank, world_size, sched.total, init=resume is None)
         pad = tc.pad_multiple or (build.flex_row_length(tc.max_tokens) if tr.attention == "flex" else 0)
         workers = tc.num_workers if tc.num_workers >= 0 else (2 if device.type == "cuda" else 0)
         eval_plans = epoch_batches(eval_idx, data.lengths, tc.max_tokens, cfg.seed, 0, rank, world_size, shuffle=False)

@@ -172,14 +172,64 @@ def flex_row_length(max_tokens: int) -> int:
     return -(-max_tokens // 128) * 128
 
 
+SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "num_layers", "target_hidden_size", "num_aux_layers", "aux_layer_ids", "draft_vocab_size",
+                "vocab_size", "norm_before_residual")
+"""What a draft given to --train.init_from must share with the run's draft."""
+
+
+def check_init_from(path: str) -> Path:
+    """--train.init_from names a draft directory of either kind (checked before anything expensive)."""
+    from eyas.draft import DRAFT_CONFIG, DRAFT_WEIGHTS
+    from eyas.export import CONFIG, WEIGHTS
+
+    d = Path(path)
+    if not any((d / c).is_file() and (d / w).is_file() for c, w in ((DRAFT_CONFIG, DRAFT_WEIGHTS), (CONFIG, WEIGHTS))):
+        raise ConfigError(f"train.init_from={path!r}: not a draft directory (an eyas draft holds {DRAFT_CONFIG} + "
+                          f"{DRAFT_WEIGHTS}, as train's final/; an export holds {CONFIG} + {WEIGHTS})")
+    return d
+
+
+def init_weights(draft: Eagle3Draft, path: str, d2t: torch.Tensor, t2d: torch.Tensor) -> dict[str, str]:
+    """Copy the trained draft at `path` (--train.init_from) into `draft` -> {dir, weights_sha256}
+    for meta.json. Refused unless it has the draft's shape (SHAPE_FIELDS) and vocabulary."""
+    from eyas.assets import sha256_file
+    from eyas.draft import DRAFT_CONFIG, DRAFT_WEIGHTS, load_draft
+    from eyas.export import WEIGHTS, load_exported
+
+    d = check_init_from(path)
+    eyas_format = (d / DRAFT_CONFIG).is_file()
+    src = load_draft(d) if eyas_format else load_exported(d)
+    have, want = src.config.to_dict(), draft.config.to_dict()
+    diff = {k: (have[k], want[k]) for k in SHAPE_FIELDS if have[k] != want[k]}
+    if diff:
+        raise ConfigError(f"train.init_from={path!r} is another draft shape ({', '.join(f'{k} {a} there, {b} here' for k, (a, b) in diff.items())}): "
+                          "set the --train.* shape keys (intermediate_size, num_layers, heads) to the draft's, or start without it")
+    if not (torch.equal(src.d2t, d2t.to(src.d2t.device)) and torch.equal(src.t2d, t2d.to(src.t2d.device))):
+        raise ArtifactError(f"train.init_from={path!r} has another draft vocabulary (d2t/t2d) than this run's prepare "
+                            "stage: prepare with the draft_vocab_size and data it was trained on, or start without it")
+    trained = dict(src.named_parameters())
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.copy_(trained[name])
+    return {"dir": str(d), "weights_sha256": sha256_file(d / (DRAFT_WEIGHTS if eyas_format else WEIGHTS))}
+
+
 def build_trainer(
-    cfg: EyasConfig, data: TrainData, device: torch.device, rank: int = 0, world_size: int = 1, total_steps: int = 1
+    cfg: EyasConfig, data: TrainData, device: torch.device, rank: int = 0, world_size: int = 1, total_steps: int = 1,
+    init: bool = True,
 ) -> tuple[Trainer, DraftConfig]:
+    """`init`: apply --train.init_from (off when a checkpoint is resumed: it holds the weights)."""
     tc = cfg.train
     dcfg = draft_config(cfg, data)
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     draft = Eagle3Draft(dcfg, data.embed_VD)
     draft.set_vocab(data.d2t, data.t2d)
+    if init and tc.init_from:
+        data.inputs["init_from"] = init_weights(draft, tc.init_from, data.d2t, data.t2d)
+        if rank == 0:
+            print(f"[eyas:train] weights from {tc.init_from} (sha256 {data.inputs['init_from']['weights_sha256'][:12]}); "
+                  "optimizer and learning-rate schedule start afresh", flush=True)
     draft.to(device)
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
     attention = resolve_attention(tc.attention, device)
