@@ -22,8 +22,8 @@
 #               the train/evaluate overrides the later phases read, from TRAIN_STEPS (3000),
 #               TRAIN_SECONDS and EVAL_SECONDS (the budgets, 420 each), TRAIN_MODE (offline; online =
 #               no extract stage), TRAIN_COMPILE (default: measured here, the SmolLM2 draft's step
-#               eager vs compiled, at TRAIN_ARGS's MLP width and layer count), LOSS_KERNEL (default:
-#               measured here, train.loss_kernel eager vs compiled on that step; compiled when faster) and TRAIN_ARGS (more eyas overrides for every later phase, e.g.
+#               eager vs compiled, at TRAIN_ARGS's MLP width and layer count), LOSS_KERNEL (eager;
+#               measure: train.loss_kernel eager vs compiled on that step, compiled when faster) and TRAIN_ARGS (more eyas overrides for every later phase, e.g.
 #               "--train.intermediate_size=6144": a wider draft; "--train.num_layers=2
 #               --export.format=speculators": two draft layers, which SGLang's layout cannot hold)
 #   regenerate_rest  .carry/p2 (the GGUF's second half) and .carry/r2 (sharegpt_rest: the ShareGPT
@@ -217,10 +217,12 @@ keep)
         compile=false
         [[ -n $eager && -n $compiled ]] && (( compiled * 10 >= eager * 11 )) && compile=true
     fi
-    # the TTT loss eager vs under torch.compile (train.loss_kernel), the decoder step as chosen above:
-    # the train calls use the compiled loss when it ran and was faster (LOSS_KERNEL=eager/compiled decides instead)
-    loss_kernel=${LOSS_KERNEL:-}
-    if [[ -z $loss_kernel ]]; then
+    # the TTT loss eager vs under torch.compile (train.loss_kernel), the decoder step as chosen above,
+    # with LOSS_KERNEL=measure: the train calls use the compiled loss when it was faster there. By
+    # default eager: session 16's real run gained nothing from the compiled loss and paid minutes of
+    # compiling per call (LOSS_KERNEL=eager/compiled decides without measuring)
+    loss_kernel=${LOSS_KERNEL:-eager}
+    if [[ $loss_kernel == measure ]]; then
         dec=(); [[ $compile == true ]] && dec=(--compile)
         eager_loss=$(rate ${dec[@]+"${dec[@]}"} --loss-kernel eager); compiled_loss=$(rate ${dec[@]+"${dec[@]}"} --loss-kernel compiled)
         stamp "SmolLM2 draft training step, loss eager ${eager_loss:-?} tok/s, loss compiled ${compiled_loss:-?} tok/s"

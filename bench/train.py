@@ -3,7 +3,7 @@
     python bench/train.py                          # Llama-3.1-8B dims: D 4096, V 128256, W 32000,
                                                    #   seq 2048, TTT 7, flex attention, bf16 autocast
     python bench/train.py --compile --pack 2       # torch.compile the decoder step; 2 x 2048 per row
-    python bench/train.py --loss-kernel eager      # the TTT loss in plain torch ops (default on CUDA: compiled)
+    python bench/train.py --loss-kernel compiled   # the TTT loss under torch.compile (default: eager, as eyas)
     python bench/train.py --grad-accum 4           # 4 micro-batches per optimizer step: tokens/s and
                                                    #   peak memory against --grad-accum 1
     OUT=/tmp/o python bench/train.py               # also writes $OUT/bench_train.json
@@ -65,8 +65,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--loss-fraction", type=float, default=1.0, help="fraction of tokens with loss mask 1")
     p.add_argument("--attention", default="flex", choices=["auto", "flex", "sdpa"])
     p.add_argument("--compile", action="store_true", help="torch.compile the draft's decoder step")
-    p.add_argument("--loss-kernel", default="auto", choices=["auto", "eager", "compiled"],
-                   help="train.loss_kernel: each TTT step's loss eager or under torch.compile (auto: compiled on CUDA)")
+    p.add_argument("--loss-kernel", default="eager", choices=["auto", "eager", "compiled"],
+                   help="train.loss_kernel: each TTT step's loss eager (eyas's default) or under torch.compile "
+                        "(auto: compiled on CUDA)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", default="cuda")

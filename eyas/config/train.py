@@ -75,11 +75,14 @@ class TrainConfig:
     large drafts) or auto (ddp). World size 1 runs the plain module."""
     compile: bool = False
     """torch.compile the draft's decoder step (GPU)."""
-    loss_kernel: str = "auto"
+    loss_kernel: str = "eager"
     """How each TTT step's loss and accuracy are computed from its W-wide logits: eager (plain torch
     ops, each a pass over float32 rows x W), compiled (the same function under torch.compile, fused:
-    a few passes over the logits, the teacher rows gathered inside; compiled once per process) or
-    auto (compiled on CUDA, eager elsewhere). Both compute the same loss up to float32 rounding."""
+    a few passes over the logits, the teacher rows gathered inside) or auto (compiled on CUDA, eager
+    elsewhere). Both compute the same loss up to float32 rounding. On one H200 the compiled loss
+    made the SmolLM2 draft's benchmark step 1.54x faster (every position in the loss) but a real
+    run no faster, after minutes of compiling for new row counts in each process (BENCHMARKS.md,
+    session 16): measure it on your draft (bench/train.py --loss-kernel) before choosing it."""
     attention: str = "auto"
     """TTT attention kernel: sdpa (explicit boolean [S, (i+1)S] masks: memory and time quadratic in
     the row length, fine for CPU-sized rows), flex (FlexAttention block masks that skip empty tiles,
