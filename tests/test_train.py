@@ -293,7 +293,7 @@ def first_step(cfg, data):
     return out, [b.sample_ids for b in batches], torch.cat([p.detach().flatten() for p in tr.draft.parameters()])
 
 
-def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_target):
+def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_target, monkeypatch):
     """--train.init_from starts from a trained draft's weights, from train's final/ or from an
     export, with a fresh optimizer and schedule, and records what it read; another draft shape or
     vocabulary is refused naming what differs, a directory without a draft before any work."""
@@ -317,7 +317,7 @@ def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_targe
         for (name, p), q in zip(tr.draft.named_parameters(), trained.parameters()):
             assert torch.equal(p, q), name
         assert tr.optimizer.state_dict()["state"] == {} and tr.scheduler.last_epoch == 0
-        assert data.inputs["init_from"] == {"dir": str(src), "weights_sha256": sha256_file(weights)}
+        assert tr.init_from == {"dir": str(src), "weights_sha256": sha256_file(weights)}
         skipped, _ = build.build_trainer(cfg, data, cpu, total_steps=5, init=False)  # a resumed run's
         assert all(torch.equal(p, q) for p, q in zip(skipped.draft.parameters(), fresh.draft.parameters()))
     wider = tiny_cfg(tmp_path / "w", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={final}",
@@ -330,9 +330,19 @@ def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_targe
 
     with pytest.raises(ArtifactError, match="another draft vocabulary"):
         build.init_weights(fresh.draft, str(final), d2t, data.t2d)
+    # a whole run records the draft it started from, also when it was resumed (the checkpoint keeps it)
+    cfg = tiny_cfg(tmp_path / "r", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={exported}",
+                   "--train.max_steps=3", "--train.save_every=1", "--train.keep_checkpoints=0")
+    record = {"dir": str(exported), "weights_sha256": sha256_file(exported / "model.safetensors")}
+    assert run(cfg)["inputs"]["init_from"] == record
+    ckpt = cfg.stage_dir("train") / "checkpoints" / "step_0000002"
+    resumed = run(tiny_cfg(tmp_path / "r", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={exported}",
+                           "--train.max_steps=3", "--train.save_every=1", f"--train.resume={ckpt}"))
+    assert resumed["counts"]["resumed_from_step"] == 2 and resumed["inputs"]["init_from"] == record
+    # a directory without a draft: refused before the data is read
+    monkeypatch.setattr(build, "load_data", lambda *a: pytest.fail("read the data before checking init_from"))
     with pytest.raises(ConfigError, match="not a draft directory"):
         run(tiny_cfg(tmp_path / "x", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={tmp_path}"))
-    assert not (tmp_path / "x" / "train" / "metrics.jsonl").exists()
 
 
 def test_offline_equals_online_for_one_step(tmp_path, smol_prep, tiny_target):

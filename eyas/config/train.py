@@ -137,7 +137,9 @@ class TrainConfig:
     values). Its shape, aux layers and draft vocabulary must be this run's; the optimizer and the
     learning-rate schedule (warmup, cosine) start afresh. For training a draft further than one
     run's budget on new data or with a new schedule; `resume` continues the same run instead (a
-    resumed run reads its checkpoint, not this). Empty = random initialisation."""
+    resumed run reads its checkpoint, not this; meta.json's inputs name the draft and its sha256).
+    `eyas run` keys the train stage on this path, not on the file's content. Empty = random
+    initialisation."""
     resume: str = ""
     """auto: continue from the latest checkpoint in OUT_DIR/checkpoints if there is one; a
     checkpoint directory: continue from it; empty: start fresh (an existing run is an error)."""

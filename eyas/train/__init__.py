@@ -84,6 +84,8 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
                   f"draft {tr.draft.num_trainable_parameters():,} parameters, {tr.attention} attention, "
                   f"world size {world_size}" + (f", resuming from {resume}" if resume else ""), flush=True)
         metrics = fit(tr, sched, data.source, eval_fn, out, dcfg, resume, pad, workers)
+        if tr.init_from:
+            data.inputs["init_from"] = tr.init_from
         final = out / "final"
         state = checkpoint.model_state(tr.model)
         if rank != 0:

@@ -192,14 +192,14 @@ def check_init_from(path: str) -> Path:
 
 def init_weights(draft: Eagle3Draft, path: str, d2t: torch.Tensor, t2d: torch.Tensor) -> dict[str, str]:
     """Copy the trained draft at `path` (--train.init_from) into `draft` -> {dir, weights_sha256}
-    for meta.json. Refused unless it has the draft's shape (SHAPE_FIELDS) and vocabulary."""
+    for meta.json (and the checkpoints, so a resumed run still names it). Refused unless it has the draft's shape (SHAPE_FIELDS) and vocabulary."""
     from eyas.assets import sha256_file
     from eyas.draft import DRAFT_CONFIG, DRAFT_WEIGHTS, load_draft
     from eyas.export import WEIGHTS, load_exported
 
     d = check_init_from(path)
     eyas_format = (d / DRAFT_CONFIG).is_file()
-    src = load_draft(d) if eyas_format else load_exported(d)
+    src = load_draft(d, draft.embed_weight) if eyas_format else load_exported(d, draft.embed_weight)
     have, want = src.config.to_dict(), draft.config.to_dict()
     diff = {k: (have[k], want[k]) for k in SHAPE_FIELDS if have[k] != want[k]}
     if diff:
@@ -225,10 +225,11 @@ def build_trainer(
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
     draft = Eagle3Draft(dcfg, data.embed_VD)
     draft.set_vocab(data.d2t, data.t2d)
+    record = None
     if init and tc.init_from:
-        data.inputs["init_from"] = init_weights(draft, tc.init_from, data.d2t, data.t2d)
+        record = init_weights(draft, tc.init_from, data.d2t, data.t2d)
         if rank == 0:
-            print(f"[eyas:train] weights from {tc.init_from} (sha256 {data.inputs['init_from']['weights_sha256'][:12]}); "
+            print(f"[eyas:train] weights from {tc.init_from} (sha256 {record['weights_sha256'][:12]}); "
                   "optimizer and learning-rate schedule start afresh", flush=True)
     draft.to(device)
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
@@ -258,7 +259,7 @@ def build_trainer(
     tr = Trainer(
         tc=tc, model=model, draft=draft, optimizer=optimizer, scheduler=scheduler, teacher=teacher, device=device,
         autocast_dtype=torch.bfloat16 if bf16 else None, attention=attention,
-        world_size=world_size, rank=rank, states=data.states,
+        world_size=world_size, rank=rank, states=data.states, init_from=record,
     )
     return tr, dcfg
 

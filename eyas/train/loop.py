@@ -60,6 +60,7 @@ class Trainer:
     world_size: int = 1
     rank: int = 0
     states: Any = None  # OnlineStates in online mode
+    init_from: dict[str, str] | None = None  # train.init_from's {dir, weights_sha256}, kept in checkpoints
     weights_T: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -347,6 +348,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
         state = checkpoint.load(resume, tr.model, tr.optimizer, tr.scheduler)
         start = state["step"]
         prior = state.get("all_runs")  # None from a checkpoint of an eyas that did not count it
+        tr.init_from = state.get("init_from")  # where the run this continues started from
         if tr.rank == 0 and (state["world_size"], state["total_steps"]) != (tr.world_size, sched.total):
             print(f"[eyas:train] warning: {resume} was written by a run of {state['total_steps']} steps on "
                   f"{state['world_size']} ranks, this one has {sched.total} steps on {tr.world_size}: the data order "
@@ -457,7 +459,7 @@ def save(tr: Trainer, ckpt_root: Path, step: int, sched: Schedule, draft_cfg: Dr
          all_runs: dict | None) -> None:
     epoch, window = sched.position(step)
     trainer = {"epoch": epoch, "window": window, "world_size": tr.world_size, "total_steps": sched.total,
-               "train_split": sched.split_digest, "all_runs": all_runs}
+               "train_split": sched.split_digest, "all_runs": all_runs, "init_from": tr.init_from}
     checkpoint.save(ckpt_root, step, tr.model, tr.optimizer, tr.scheduler, draft_cfg, trainer, tr.rank,
                     tr.tc.keep_checkpoints)
 
