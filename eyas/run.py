@@ -208,8 +208,7 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
     keys = run_keys(configs, stages)
     cfg = configs[stages[-1]]
     train_dir = cfg.stage_dir("train").resolve()
-    if "train" in stages and cfg.train.init_from and train_dir in (Path(cfg.train.init_from).resolve(),
-                                                                     *Path(cfg.train.init_from).resolve().parents):
+    if "train" in stages and cfg.train.init_from and Path(cfg.train.init_from).resolve().is_relative_to(train_dir):
         raise ConfigError(f"--train.init_from={cfg.train.init_from} lies inside this run's train directory {train_dir}, "
                           "which a new training replaces: copy the draft elsewhere first, or give a new --run_dir")
     print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)

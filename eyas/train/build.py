@@ -179,32 +179,35 @@ SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "he
 
 
 def check_init_from(path: str) -> Path:
-    """--train.init_from names a draft directory of either kind (checked before anything expensive)."""
+    """--train.init_from names a draft directory of either kind (checked before anything expensive)
+    -> its weights file (eyas.draft's DRAFT_WEIGHTS or an export's WEIGHTS)."""
     from eyas.draft import DRAFT_CONFIG, DRAFT_WEIGHTS
     from eyas.export import CONFIG, WEIGHTS
 
     d = Path(path)
-    if not any((d / c).is_file() and (d / w).is_file() for c, w in ((DRAFT_CONFIG, DRAFT_WEIGHTS), (CONFIG, WEIGHTS))):
-        raise ConfigError(f"train.init_from={path!r}: not a draft directory (an eyas draft holds {DRAFT_CONFIG} + "
-                          f"{DRAFT_WEIGHTS}, as train's final/; an export holds {CONFIG} + {WEIGHTS})")
-    return d
+    for config, weights in ((DRAFT_CONFIG, DRAFT_WEIGHTS), (CONFIG, WEIGHTS)):
+        if (d / config).is_file() and (d / weights).is_file():
+            return d / weights
+    raise ConfigError(f"train.init_from={path!r}: not a draft directory (an eyas draft holds {DRAFT_CONFIG} + "
+                      f"{DRAFT_WEIGHTS}, as train's final/; an export holds {CONFIG} + {WEIGHTS})")
 
 
 def init_weights(draft: Eagle3Draft, path: str, d2t: torch.Tensor, t2d: torch.Tensor) -> dict[str, str]:
     """Copy the trained draft at `path` (--train.init_from) into `draft` -> {dir, weights_sha256}
-    for meta.json (and the checkpoints, so a resumed run still names it). Refused unless it has the draft's shape (SHAPE_FIELDS) and vocabulary."""
+    for meta.json and the checkpoints (a resumed run still names it). Refused unless it has the
+    draft's shape (SHAPE_FIELDS) and vocabulary."""
     from eyas.assets import sha256_file
-    from eyas.draft import DRAFT_CONFIG, DRAFT_WEIGHTS, load_draft
-    from eyas.export import WEIGHTS, load_exported
+    from eyas.draft import DRAFT_WEIGHTS, load_draft
+    from eyas.export import load_exported
 
-    d = check_init_from(path)
-    eyas_format = (d / DRAFT_CONFIG).is_file()
-    src = load_draft(d, draft.embed_weight) if eyas_format else load_exported(d, draft.embed_weight)
+    weights = check_init_from(path)
+    load = load_draft if weights.name == DRAFT_WEIGHTS else load_exported
+    src = load(weights.parent, draft.embed_weight)
     have, want = src.config.to_dict(), draft.config.to_dict()
-    diff = {k: (have[k], want[k]) for k in SHAPE_FIELDS if have[k] != want[k]}
+    diff = ", ".join(f"{k} {have[k]} there, {want[k]} here" for k in SHAPE_FIELDS if have[k] != want[k])
     if diff:
-        raise ConfigError(f"train.init_from={path!r} is another draft shape ({', '.join(f'{k} {a} there, {b} here' for k, (a, b) in diff.items())}): "
-                          "set the --train.* shape keys (intermediate_size, num_layers, heads) to the draft's, or start without it")
+        raise ConfigError(f"train.init_from={path!r} is another draft shape ({diff}): set the --train.* shape keys "
+                          "(intermediate_size, num_layers, heads) to the draft's, or start without it")
     if not (torch.equal(src.d2t, d2t.to(src.d2t.device)) and torch.equal(src.t2d, t2d.to(src.t2d.device))):
         raise ArtifactError(f"train.init_from={path!r} has another draft vocabulary (d2t/t2d) than this run's prepare "
                             "stage: prepare with the draft_vocab_size and data it was trained on, or start without it")
@@ -212,7 +215,7 @@ def init_weights(draft: Eagle3Draft, path: str, d2t: torch.Tensor, t2d: torch.Te
     with torch.no_grad():
         for name, p in draft.named_parameters():
             p.copy_(trained[name])
-    return {"dir": str(d), "weights_sha256": sha256_file(d / (DRAFT_WEIGHTS if eyas_format else WEIGHTS))}
+    return {"dir": str(weights.parent), "weights_sha256": sha256_file(weights)}
 
 
 def build_trainer(
