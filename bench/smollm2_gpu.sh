@@ -352,6 +352,9 @@ ablate)
 stash)
     for d in ${STASH:?set STASH, the carried .carry/ folders to keep, e.g. STASH=.carry/p2}; do
         cp -v $d/* "$KEEP/"
+        # the device keeps ignored folders of the repository copy from call to call: left there, a
+        # stashed .carry/d2 would read as carried again and join_draft would refuse its parts twice
+        rm -rf "$d"
     done
     ;;
 evaluate_draft)
