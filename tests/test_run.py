@@ -246,7 +246,7 @@ def test_online_training_plans_no_extract_stage(tmp_path):
 
 
 def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, monkeypatch):
-    """train.num_layers, train.align_top_k and train.init_from joined the config after runs existed: at their
+    """train.num_layers, train.align_top_k, train.init_from and train.align_norm joined the config after runs existed: at their
     defaults (the behaviour before them) every stage key equals the one the code made when
     TrainConfig had no such fields (simulated: the fields dropped from the hashed dict, no
     LATER_KEYS), so `eyas run` continues such a run; set otherwise, train and what follows re-run,
@@ -258,9 +258,9 @@ def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, mo
     keys = r.run_keys(*r.stage_plan(load_config(str(y), [])))
     changed = [r.run_keys(*r.stage_plan(load_config(str(y), args))) for args in
                (["--train.num_layers=2", "--export.format=speculators"], ["--train.align_top_k=1"],
-                ["--train.init_from=/drafts/a"])]
+                ["--train.init_from=/drafts/a"], ["--train.align_top_k=3", "--train.align_norm=kept"])]
     later = dict(r.LATER_KEYS["train"])
-    assert set(later) == {"num_layers", "align_top_k", "init_from"}
+    assert set(later) == {"num_layers", "align_top_k", "init_from", "align_norm"}
 
     def without_the_fields(section):
         d = to_dict(section)

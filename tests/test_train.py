@@ -77,7 +77,7 @@ def test_loss_on_a_hand_built_example():
     z0 = [[1.0, 0, 0], [0, 0, 1.0], [0, 0, 3.0]]  # step 0 drafts rows 0, 1, 2
     z1 = [[0, 2.0, 0]]  # step 1 drafts row 2 only
     rows = [torch.tensor([0, 1, 2]), torch.tensor([2])]  # the flat rows, here equal to their teacher rows
-    loss_sum, correct, valid, reached, chain = step_terms([torch.tensor(z0), torch.tensor(z1)], p, top1, rows, rows, 3)
+    loss_sum, correct, valid, reached, chain, _ = step_terms([torch.tensor(z0), torch.tensor(z1)], p, top1, rows, rows, 3)
     want0 = ce(z0[0], teacher[0]) + ce(z0[2], teacher[2])  # row 1 is not valid
     want1 = ce(z1[0], teacher[2])
     torch.testing.assert_close(loss_sum, torch.tensor([want0, want1]))
@@ -93,7 +93,7 @@ def test_loss_on_a_hand_built_example():
 
     for w in (0.25, 1.0):
         l0, l1 = torch.tensor(z0, requires_grad=True), torch.tensor(z1, requires_grad=True)
-        mixed, correct, valid, _, _ = step_terms([l0, l1], p, top1, rows, rows, 3, top1_weight=w)
+        mixed, correct, valid, _, _, _ = step_terms([l0, l1], p, top1, rows, rows, 3, top1_weight=w)
         hard0 = nll(z0[0], 0) + nll(z0[2], 2)  # top-1 draft ids of rows 0 and 2; row 1 still not valid
         hard1 = nll(z1[0], 2)
         torch.testing.assert_close(mixed.detach(), torch.tensor([(1 - w) * want0 + w * hard0, (1 - w) * want1 + w * hard1]))
@@ -120,7 +120,7 @@ def test_chain_counts_and_align_mask_match_a_per_row_loop(k):
     rows_T = [torch.randperm(num_rows, generator=g)[:30].sort().values for _ in range(steps)]
     tix_T = [torch.randint(num_teacher, (30,), generator=g) for _ in range(steps)]
     logits_T = [p[t].log() + torch.randn(30, w, generator=g) for t in tix_T]
-    loss, correct, valid, reached, chain = step_terms(logits_T, p, top1, tix_T, rows_T, num_rows, align_top_k=k)
+    loss, correct, valid, reached, chain, kept = step_terms(logits_T, p, top1, tix_T, rows_T, num_rows, align_top_k=k)
 
     def at(i, r):  # -> (logits, teacher row) of flat row r at step i, or None if step i skips it
         hits = (rows_T[i] == r).nonzero()
@@ -131,19 +131,21 @@ def test_chain_counts_and_align_mask_match_a_per_row_loop(k):
         return got is not None and int(top1[got[1]]) >= 0 and int(top1[got[1]]) in got[0].topk(top_k).indices.tolist()
 
     for i in range(steps):
-        want_loss, want_chain, want_reached = 0.0, 0, 0
+        want_loss, want_chain, want_reached, want_kept = 0.0, 0, 0, 0
         for r in rows_T[i].tolist():
             z, t = at(i, r)
             trained = int(top1[t]) >= 0 and (k == 0 or all(agrees(j, r, k) for j in range(i)))
             if trained:
                 want_loss += float(-(p[t] * torch.log_softmax(z, -1)).sum())
+                want_kept += 1
             want_reached += all(agrees(j, r, 1) for j in range(i))
             want_chain += all(agrees(j, r, 1) for j in range(i + 1))
         assert loss[i].item() == pytest.approx(want_loss, rel=1e-5)
-        assert int(chain[i]) == want_chain and int(reached[i]) == want_reached
+        assert int(chain[i]) == want_chain and int(reached[i]) == want_reached and int(kept[i]) == want_kept
     assert 0 < int(chain[-1]) < int(chain[0]) == int(correct[0]) < len(rows_T[0])  # both branches run
     assert any(int(reached[i]) < int(chain[i - 1]) for i in range(1, steps))  # alive rows with no next step
     assert valid.tolist() == [int((top1[t] >= 0).sum()) for t in tix_T]
+    assert (kept == valid).all() if k == 0 else (kept[1:] < valid[1:]).all()
 
 
 @pytest.mark.parametrize("top1_weight,k,dtype", [(0.0, 0, torch.float32), (0.5, 3, torch.bfloat16), (1.0, 1, torch.float32)])
@@ -190,6 +192,10 @@ def test_config_errors_name_the_flag(tmp_path):
         train_config(tmp_path, "--train.betas=[0.9]")
     with pytest.raises(ConfigError, match=r"train.top1_weight=1.5 must lie in \[0, 1\]"):
         train_config(tmp_path, "--train.top1_weight=1.5")
+    with pytest.raises(ConfigError, match="train.align_norm='kept' needs train.align_top_k > 0"):
+        train_config(tmp_path, "--train.align_norm=kept")
+    with pytest.raises(ConfigError, match="train.align_norm='rows': choose one of valid, kept"):
+        train_config(tmp_path, "--train.align_norm=rows", "--train.align_top_k=3")
     with pytest.raises(ConfigError, match="did you mean 'train.max_tokens'"):
         train_config(tmp_path, "--train.max_token=5")
 
@@ -441,6 +447,43 @@ def test_align_top_k_trains_only_rows_whose_greedy_chain_is_alive(tmp_path, smol
     out = train_step(tr, [b], step)
     torch.testing.assert_close(out["loss_sum_T"].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-4)
     assert out["chain_T"].tolist() == chain and out["reached_T"].tolist() == reached
+
+
+@pytest.mark.parametrize("norm", ["valid", "kept"])
+def test_align_norm_divides_each_step_by_its_valid_or_its_kept_rows(tmp_path, smol_prep, tiny_target, norm):
+    """--train.align_top_k=1 with --train.align_norm: one train_step's gradient norm equals that of
+    sum_i w_i x (step i's soft cross-entropy summed over its kept rows) / n_i, built here row by
+    row, with n_i the step's valid rows (valid) or its kept rows (kept)."""
+    from eyas.train.loop import train_step
+
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.align_top_k=1",
+                   f"--train.align_norm={norm}", "--train.lr=1e-2", "--train.warmup_steps=1")
+    data = build.load_data(cfg, torch.device("cpu"))
+    tr, _, _, step, batches = first_window(cfg, data)
+    b = tr.prepare(batches[0])
+    for _ in range(FIT_STEPS):  # a draft that gets some tokens right, so the mask drops rows
+        train_step(tr, [b], step)
+    with torch.no_grad():
+        p_NW, top1_N = tr.teacher(b)
+    logits_T = tr.forward(b)
+    hit, loss, kept, valid = {}, 0.0, [], []
+    for i, (logits_MW, tix_M, rows_M) in enumerate(zip(logits_T, b.tix_T, b.rows_T)):
+        terms = []
+        for z, t, r in zip(logits_MW, tix_M.tolist(), rows_M.tolist()):
+            earlier = all(hit.get((r, j), False) for j in range(i))
+            hit[(r, i)] = int(top1_N[t]) >= 0 and int(z.argmax()) == int(top1_N[t])
+            if earlier and int(top1_N[t]) >= 0:
+                terms.append(-(p_NW[t] * torch.log_softmax(z.float(), -1)).sum())
+        kept.append(len(terms))
+        valid.append(int((top1_N[tix_M] >= 0).sum()))
+        loss = loss + tr.tc.step_weight**i * torch.stack(terms).sum() / (kept[i] if norm == "kept" else valid[i])
+    assert kept[0] == valid[0] and kept[-1] < valid[-1]  # the two normalisers differ past step 0
+    tr.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    want = torch.cat([p.grad.flatten() for p in tr.model.parameters() if p.grad is not None]).norm()
+    tr.optimizer.zero_grad(set_to_none=True)
+    out = train_step(tr, [b], step)
+    torch.testing.assert_close(out["grad_norm"], want.float(), rtol=1e-4, atol=1e-6)
 
 
 def test_online_states_of_right_padded_rows_equal_plain_forwards(smol_prep, tiny_target):

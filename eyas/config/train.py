@@ -9,6 +9,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 PARALLELS = ("auto", "ddp", "fsdp")
 ATTENTIONS = ("auto", "sdpa", "flex")
 LOSS_KERNELS = ("auto", "eager", "compiled")
+ALIGN_NORMS = ("valid", "kept")
 
 
 @dataclass
@@ -33,6 +34,12 @@ class TrainConfig:
     drafts past a rejected token, so positions after a miss only spend the draft's capacity).
     0 = every position trains (the EAGLE-3 reference). The logged accuracies stay over all
     positions; chain_acc_rows_T and tau_chain_rows are the greedy chain's, whatever k."""
+    align_norm: str = "valid"
+    """What divides step i's loss under align_top_k: valid = its valid positions (kept or not), so a
+    step weighs less as fewer of its positions stay aligned; kept = the positions align_top_k keeps
+    (GRIFFIN's), so every step keeps its weight step_weight**i. With several micro-batches or ranks,
+    kept rescales each micro-batch by its own valid / kept count (no extra collective); with one
+    micro-batch on one rank it is exact."""
     lr: float = 1e-4
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.0
@@ -156,6 +163,10 @@ class TrainConfig:
         require(self.step_weight > 0, f"train.step_weight={self.step_weight} must be > 0")
         require(0.0 <= self.top1_weight <= 1.0, f"train.top1_weight={self.top1_weight} must lie in [0, 1]")
         require(self.align_top_k >= 0, f"train.align_top_k={self.align_top_k} must be >= 0 (0 = off)")
+        require(self.align_norm in ALIGN_NORMS,
+                f"train.align_norm={self.align_norm!r}: choose one of {', '.join(ALIGN_NORMS)}")
+        require(self.align_norm == "valid" or self.align_top_k > 0,
+                f"train.align_norm={self.align_norm!r} needs train.align_top_k > 0 (without it every valid position is kept)")
         require(self.loss_kernel in LOSS_KERNELS,
                 f"train.loss_kernel={self.loss_kernel!r}: choose one of {', '.join(LOSS_KERNELS)}")
         require(self.lr > 0, f"train.lr={self.lr} must be > 0")

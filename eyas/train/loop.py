@@ -128,15 +128,17 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
             p_NW = tr.teacher(b)[0]
         with no_sync(tr.model, sync=j == len(batches) - 1):
             logits_T = tr.forward(b)
-            ls_T, cor_T, _, reach_T, chain_T = terms(tr, b, logits_T, p_NW, top1_N)
+            ls_T, cor_T, val_T, reach_T, chain_T, kept_T = terms(tr, b, logits_T, p_NW, top1_N)
+            # align_norm kept: this micro-batch's kept rows stand in for its valid ones
+            scaled_T = ls_T * (val_T / kept_T.clamp(min=1)) if tr.tc.align_norm == "kept" else ls_T
             # x world_size: DDP / FSDP average gradients over ranks, the global normaliser is a sum
-            loss = weighted_loss(ls_T, global_valid_T, tr.weights_T) * tr.world_size
+            loss = weighted_loss(scaled_T, global_valid_T, tr.weights_T) * tr.world_size
             loss.backward()
         loss_sum_T += ls_T.detach()
         correct_T += cor_T
         reached_T += reach_T
         alive_T += chain_T
-    del first, p_NW, top1_N, logits_T, ls_T, loss  # the W-wide tensors, freed before the next window's states
+    del first, p_NW, top1_N, logits_T, ls_T, scaled_T, loss  # the W-wide tensors, freed before the next window's states
     if before_sync is not None:
         before_sync()
     grad_norm = clip_grad_norm(tr.model, tr.tc.grad_clip)
@@ -194,7 +196,7 @@ def evaluate(tr: Trainer, loader, max_batches: int = 0) -> dict[str, Any]:
             break
         b = tr.prepare(b)
         p_NW, top1_N = tr.teacher(b)
-        ls_T, cor_T, val_T, reach_T, chain_T = terms(tr, b, tr.forward(b), p_NW, top1_N)
+        ls_T, cor_T, val_T, reach_T, chain_T, _ = terms(tr, b, tr.forward(b), p_NW, top1_N)
         sums["loss_sum_T"] += ls_T
         sums["correct_T"] += cor_T
         sums["valid_T"] += val_T

@@ -36,8 +36,9 @@ With train.align_top_k = k > 0 the loss of step i keeps only rows alive under to
 teacher's top-1 among the draft's k best at every earlier step; k = 1: the greedy chain), after
 GRIFFIN's token-alignable training: a serving engine never drafts step i after a rejected step,
 so those rows only spend the draft's capacity. The normaliser stays the count of valid rows of
-step i, so a step's weight falls with its alive share (GRIFFIN's trainer divides by the kept
-rows instead).
+step i, so a step's weight falls with its alive share, unless train.align_norm = kept: then each
+micro-batch's step-i loss is rescaled by its valid / kept rows (GRIFFIN's trainer divides by the
+kept rows), which keeps every step's weight at step_weight**i.
 """
 
 from __future__ import annotations
@@ -110,10 +111,10 @@ def step_terms(
     top1_weight: float = 0.0,
     align_top_k: int = 0,
     compiled: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per TTT step over this micro-batch -> (loss_sum_T with grad, num_correct_T, num_valid_T,
     num_reached_T: rows of step i alive after the steps before it, num_chain_T: of them, alive
-    after step i too).
+    after step i too, num_kept_T: the rows the loss sums over, num_valid_T without align_top_k).
 
     logits_T[i]: draft logits [M, W] of step i's selected rows; tix_T[i]: their teacher rows;
     rows_T[i]: the flat rows themselves (< num_rows), which tie a row's steps together;
@@ -121,7 +122,7 @@ def step_terms(
     align_top_k: train.align_top_k (0 = every valid row trains); compiled: the row terms under
     torch.compile (`compiled_row_terms`).
     """
-    loss_sums, correct, valid, reached, chain = [], [], [], [], []
+    loss_sums, correct, valid, reached, chain, kept = [], [], [], [], [], []
     device = top1_N.device
     terms = compiled_row_terms() if compiled else row_terms
     alive_R = torch.ones(num_rows, dtype=torch.bool, device=device)  # greedy chain still accepted
@@ -134,6 +135,7 @@ def step_terms(
         loss_sums.append(loss_sum)
         correct.append(hit_M.sum())
         valid.append(ok_M.sum())
+        kept.append(train_M.sum())
         before_M = alive_R[rows_M]
         reached.append(before_M.sum())
         alive_M = before_M & hit_M
@@ -144,7 +146,7 @@ def step_terms(
             in_top_M = hit_M if k == 1 else (logits_MW.detach().topk(k, -1).indices == top1_M[:, None]).any(-1)
             keep_R = torch.zeros_like(keep_R).index_put_((rows_M,), keep_R[rows_M] & in_top_M)
     return (torch.stack(loss_sums), torch.stack(correct), torch.stack(valid), torch.stack(reached),
-            torch.stack(chain))
+            torch.stack(chain), torch.stack(kept))
 
 
 def step_weights(num_steps: int, gamma: float, device=None) -> torch.Tensor:
