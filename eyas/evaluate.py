@@ -31,7 +31,9 @@ measure_speedup and lossless_check say) and reports this simulated chain alone
 
 Output (RUN_DIR/evaluate/): results.json (tau_chain / tau_tree, per-position acceptance,
 accepted-length histogram, times, speedup, lossless, teacher_forced, per-prompt records),
-meta.json, config.yaml.
+meta.json, config.yaml, and under greedy target_outputs.json (the target-only outputs with what
+they depend on: `evaluate.target_outputs` lets a later simulate run of another draft read them
+instead of decoding them again).
 """
 
 from __future__ import annotations
@@ -280,12 +282,18 @@ class Setup:
     engine: Any = None
 
 
+def target_placement(cfg: EyasConfig):
+    """-> (device, the target config with evaluate.dtype applied, its torch dtype)."""
+    ec = cfg.evaluate
+    device = resolve_device(ec.device)
+    target_cfg = dataclasses.replace(cfg.target, dtype=ec.dtype) if ec.dtype else cfg.target
+    return device, target_cfg, resolve_dtype(target_cfg.dtype, str(device))
+
+
 def load_setup(cfg: EyasConfig) -> Setup:
     ec = cfg.evaluate
     draft_dir = resolve_draft_dir(Path(ec.draft) if ec.draft else Path(cfg.run_dir) / "train" / "final")
-    device = resolve_device(ec.device)
-    target_cfg = dataclasses.replace(cfg.target, dtype=ec.dtype) if ec.dtype else cfg.target
-    dtype = resolve_dtype(target_cfg.dtype, str(device))
+    device, target_cfg, dtype = target_placement(cfg)
     tok = load_tokenizer(target_cfg)
     # sdpa: tree verification passes a custom 4-D mask, which flash-attention kernels do not take
     target = load_model(target_cfg, device=device, attn_implementation="sdpa")
@@ -320,6 +328,69 @@ def warm_up(s: Setup, ec, questions: list[dict[str, Any]], modes: list[str]) -> 
     ids = torch.tensor(render(s.tok, [{"role": "user", "content": questions[0]["turns"][0]}]), device=s.device)
     for mode in [None, *modes]:
         decoder(s, ec, mode, WARMUP_TOKENS)(ids)
+
+
+TARGET_OUTPUTS = "target_outputs.json"
+"""Written by every greedy evaluation that decodes target-only; evaluate.target_outputs reads it."""
+
+
+def outputs_key(cfg: EyasConfig, questions: list[dict[str, Any]]) -> dict[str, Any]:
+    """What target-only greedy outputs depend on, known before any model loads (the chat template
+    is checked afterwards, by rendering every prompt again)."""
+    device, _, dtype = target_placement(cfg)
+    return {"target": {k: v for k, v in describe_target(cfg.target).items() if k != "dtype"},
+            "dtype": str(dtype).replace("torch.", ""), "device": device.type, "bench": bench_hash(cfg.evaluate.bench),
+            "questions": [q["id"] for q in questions], "max_new_tokens": cfg.evaluate.max_new_tokens}
+
+
+def write_target_outputs(out_dir: Path, key: dict[str, Any], runs: list[dict[str, Any]], complete: bool) -> None:
+    artifacts.atomic_write_json(out_dir / TARGET_OUTPUTS, {"key": key, "complete": complete, "runs": [
+        {"id": r["id"], "turn": r["turn"], "prompt_ids": r["prompt_ids"], "tokens": r["gen"].tokens,
+         "wall_s": r["gen"].wall_s} for r in runs]})
+
+
+def read_target_outputs(where: str, key: dict[str, Any]) -> tuple[Path, list[dict[str, Any]]]:
+    """evaluate.target_outputs -> (the file, its runs), refused unless made under `key` and complete."""
+    path = Path(where) / TARGET_OUTPUTS if Path(where).is_dir() else Path(where)
+    if not path.is_file():
+        raise ConfigError(f"evaluate.target_outputs={where!r}: no {path.name} there (a greedy evaluation that decodes "
+                          f"target-only writes one into its output directory)")
+    try:
+        data = json.loads(path.read_text())
+        theirs, runs, complete = data["key"], data["runs"], data["complete"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: not a {TARGET_OUTPUTS} ({type(e).__name__}: {exception_message(e)})") from e
+
+    def shown(k, v):
+        return f"{len(v)} questions" if k == "questions" and isinstance(v, list) else repr(v)
+
+    diff = [f"{k} {shown(k, theirs.get(k))} there, {shown(k, v)} here" for k, v in key.items() if theirs.get(k) != v]
+    if diff:
+        raise ConfigError(f"evaluate.target_outputs={where!r} was decoded under other settings ({'; '.join(diff)}): "
+                          f"drop evaluate.target_outputs to decode them again")
+    if not complete:
+        raise ConfigError(f"evaluate.target_outputs={where!r}: that evaluation stopped before its last question "
+                          f"(evaluate.max_seconds); its {len(runs)} outputs do not cover these prompts")
+    return path, runs
+
+
+def replay(runs: list[dict[str, Any]], source: Path) -> Callable[[torch.Tensor], Generation]:
+    """A target-only decoder for `run_conversations` that hands back stored outputs in order, each
+    after checking that the prompt rendered here (from the stored earlier answers) is the stored one."""
+    stored = iter(runs)
+
+    def generate(ids: torch.Tensor) -> Generation:
+        r = next(stored, None)
+        if r is None:
+            raise DataError(f"{source}: {len(runs)} outputs, fewer than the prompts asked for")
+        if r["prompt_ids"] != ids.tolist():
+            at = first_divergence(ids.tolist(), r["prompt_ids"])
+            raise DataError(f"{source}: question {r['id']} turn {r['turn']}: the prompt renders to other tokens here "
+                            f"(first difference at token #{at}): another tokenizer or chat template; drop "
+                            f"evaluate.target_outputs to decode them again")
+        return Generation(list(r["tokens"]), float(r["wall_s"]))
+
+    return generate
 
 
 def compare(spec: list[int], ref: list[int]) -> dict[str, Any] | None:
@@ -535,13 +606,19 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     ec = cfg.evaluate
     out_dir = cfg.stage_dir("evaluate")
     questions = load_bench(ec.bench, ec.num_questions)  # before any model: a bad bench fails fast
+    key = outputs_key(cfg, questions)
+    reused, stored = read_target_outputs(ec.target_outputs, key) if ec.target_outputs else (None, None)
     s = load_setup(cfg)
     simulate = ec.mode == "simulate"  # target-only decoding, the chain simulated from it
     modes = [] if simulate else ["chain", "tree"] if ec.mode == "both" else [ec.mode]
     check = ec.temperature == 0 and ec.lossless_check and not simulate
-    warm_up(s, ec, questions, modes)
+    if reused is None:
+        warm_up(s, ec, questions, modes)
     decoders: dict[str | None, Callable[[torch.Tensor], Generation]] = {}
-    if check or ec.measure_speedup or simulate:
+    if reused is not None:
+        print(f"[eyas:evaluate] target-only outputs from {reused} (evaluate.target_outputs), not decoded", flush=True)
+        decoders[None] = replay(stored, reused)
+    elif check or ec.measure_speedup or simulate:
         decoders[None] = decoder(s, ec, None, ec.max_new_tokens)
     decoders.update({m: decoder(s, ec, m, ec.max_new_tokens) for m in modes})
     names = ", ".join("target-only" if m is None else m for m in decoders)
@@ -551,6 +628,9 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     phase_s: dict[str, float | None] = {"decode": decode_s, "teacher_forced": None}
     base_runs = runs.pop(None, None)
     spec_runs = runs
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if base_runs is not None and ec.temperature == 0:
+        write_target_outputs(out_dir, key, base_runs, complete=done == len(questions))
     rel_tol = tie_tolerance(ec, s.dtype)
     tc = time.perf_counter()
     results = collect_results(
@@ -580,6 +660,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     results["num_questions"] = done
     results["questions_requested"] = len(questions)
     results["stopped_early"] = done < len(questions)
+    results["target_outputs"] = str(reused) if reused else None  # read there, their wall times those of that run
     results["settings"] = {
         "mode": ec.mode,
         "temperature": ec.temperature,
@@ -595,7 +676,6 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         "draft": str(s.draft_dir),
         "bench": ec.bench,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
     artifacts.atomic_write_json(out_dir / "results.json", results)
     artifacts.atomic_write_text(out_dir / "config.yaml", dump_config(cfg))
     artifacts.write_meta(
@@ -604,7 +684,8 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         config={"target": to_dict(cfg.target), "evaluate": to_dict(ec)},
         target=describe_target(cfg.target),
         draft=str(s.draft_dir),
-        hashes={"draft_weights": sha256_file(draft_weights_file(s.draft_dir)), "bench": bench_hash(ec.bench)},
+        hashes={"draft_weights": sha256_file(draft_weights_file(s.draft_dir)), "bench": key["bench"],
+                **({"target_outputs": sha256_file(reused)} if reused else {})},
         counts={
             "questions": done,
             "questions_requested": len(questions),

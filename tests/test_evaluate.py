@@ -289,6 +289,7 @@ def test_simulate_mode_gives_the_chain_decoders_passes_without_decoding(tiny_run
     from export_helpers import fitted_draft
     from transformers import AutoTokenizer
 
+    from eyas.assets import sha256_file
     from eyas.cli import main
     from eyas.draft import save_draft
     from eyas.evaluate import render
@@ -339,6 +340,36 @@ def test_simulate_mode_gives_the_chain_decoders_passes_without_decoding(tiny_run
     summary = capsys.readouterr().out
     cond = " ".join(f"{p['conditional']:.2f}" for p in tf["acceptance_per_position"])
     assert f"tau {tf['tau_sim']:.3f} simulated" in summary and cond in summary and "lossless" not in summary
+    # evaluate.target_outputs: the same draft on the outputs stored by the simulate run (and by the
+    # chain run: its target-only baseline) gives the same teacher-forced pass without decoding
+    for source in ("sim", "chain"):
+        again = tmp_path / f"again-{source}"
+        torch.set_num_threads(1)
+        try:
+            assert main(_args(root, "--mode=simulate", f"--out_dir={again}", f"--target_outputs={tmp_path / source}",
+                              *args)) == 0
+        finally:
+            torch.set_num_threads(threads)
+        printed = capsys.readouterr().out
+        re_sim = json.loads((again / "results.json").read_text())
+        assert f"target-only outputs from {tmp_path / source / 'target_outputs.json'}" in printed
+        assert re_sim["target_outputs"] == str(tmp_path / source / "target_outputs.json")
+        for k in ("acc", "tau_sim", "verify_passes", "prompts", "accept_length_histogram"):
+            assert re_sim["teacher_forced"][k] == tf[k], k
+        assert re_sim["phase_s"]["decode"] < sim["phase_s"]["decode"] / 3
+    meta = json.loads((again / "meta.json").read_text())
+    assert meta["hashes"]["target_outputs"] == sha256_file(tmp_path / "chain" / "target_outputs.json")
+    # refused before any model loads when made under other settings, or when a prompt renders otherwise
+    assert main(_args(root, "--mode=simulate", f"--target_outputs={tmp_path / 'sim'}", *args[:-2], "--max_new_tokens=11",
+                      args[-1])) == 2
+    assert "max_new_tokens 12 there, 11 here" in capsys.readouterr().err
+    stored = json.loads((tmp_path / "sim" / "target_outputs.json").read_text())
+    stored["runs"][0]["tokens"][0] = (stored["runs"][0]["tokens"][0] + 1) % 512  # question 1's first answer
+    (tmp_path / "tampered.json").write_text(json.dumps(stored))
+    assert main(_args(root, "--mode=simulate", f"--target_outputs={tmp_path / 'tampered.json'}", *args)) == 2
+    assert "question 1 turn 1: the prompt renders to other tokens here" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="read by evaluate.mode=simulate only"):
+        load_config(None, ["--evaluate.target_outputs=x", "--evaluate.mode=chain"])
 
 
 def test_exported_draft_loads_and_decodes_the_same(tiny_run, tmp_path):

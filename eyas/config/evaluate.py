@@ -79,6 +79,14 @@ class EvaluateConfig:
     max_context: int = 4096
     """Static caches: slots per sequence (prompt + new tokens + one round's drafts); a longer
     generation fails naming this key."""
+    target_outputs: str = ""
+    """Mode simulate: the target-only greedy outputs of an earlier evaluation (its
+    target_outputs.json, or the directory holding it) instead of decoding them again, so only this
+    draft's teacher-forced pass runs (SmolLM2 on MT-bench, 2-core CPU, float32: decoding took 2,535 s
+    of 2,829). They must come from the same target (name, revision, asset; not its weights'
+    content), dtype, device type, bench file, questions and max_new_tokens, checked before any model
+    loads, and every prompt is rendered again from them and compared. Every greedy evaluation that
+    decodes target-only writes that file."""
     max_seconds: float = 0.0
     """Wall-clock budget of the decoding (0 = none). Questions are taken in order, each decoded by
     every decoder (target-only, chain, tree) before the next; after the first, no question is
@@ -105,6 +113,9 @@ class EvaluateConfig:
                 f"evaluate.mode=simulate simulates greedy chain decoding from the teacher-forced forward: it needs "
                 f"evaluate.temperature=0 (not {self.temperature:g}) and evaluate.teacher_forced=true "
                 f"(not {str(self.teacher_forced).lower()}); use mode chain, tree or both otherwise")
+        require(not self.target_outputs or self.mode == "simulate",
+                f"evaluate.target_outputs is read by evaluate.mode=simulate only (not {self.mode!r}): the other "
+                f"modes decode and time the target-only baseline beside their own decoding")
         require(self.seed >= -1, f"evaluate.seed={self.seed} must be >= 0, or -1 for the top-level seed")
         require(
             self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None,
