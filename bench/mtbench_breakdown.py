@@ -1,0 +1,52 @@
+"""Chain tau of an `eyas evaluate` run on MT-bench by turn and by category: new tokens over verify
+passes of the prompts in each group (from the decoded chain's records, or from the simulated ones
+of `teacher_forced.prompts` when the run was `--evaluate.mode=simulate`).
+
+    python bench/mtbench_breakdown.py RUN_DIR/evaluate/results.json [MORE results.json ...]
+
+With several files, one column per file (e.g. two drafts on the same outputs).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from eyas.assets import mtbench_path
+
+
+def prompt_counts(results: dict) -> list[tuple[str, int, int, int]]:
+    """-> (question id, turn, new tokens, verify passes) per prompt."""
+    chain = [r for r in results["records"] if "chain" in r]
+    if chain:
+        return [(r["id"], r["turn"], r["chain"]["new_tokens"], r["chain"]["verify_passes"]) for r in chain]
+    tf = results.get("teacher_forced") or {}
+    if not tf.get("prompts"):
+        raise SystemExit("no chain records and no teacher_forced.prompts in this results.json")
+    return [(p["id"], p["turn"], p["new_tokens"], p["verify_passes"]) for p in tf["prompts"]]
+
+
+def groups(counts, category: dict[str, str]) -> dict[str, float]:
+    sums: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for qid, turn, new, passes in counts:
+        for g in ("all", f"turn {turn + 1}", category.get(qid, "?")):
+            sums[g][0] += new
+            sums[g][1] += passes
+    return {g: new / max(passes, 1) for g, (new, passes) in sums.items()}
+
+
+def main(paths: list[str]) -> None:
+    category = {str(q["question_id"]): q["category"]
+                for q in map(json.loads, Path(mtbench_path()).read_text().splitlines()) if q}
+    columns = [groups(prompt_counts(json.loads(Path(p).read_text())), category) for p in paths]
+    names = ["all", "turn 1", "turn 2", *sorted({g for c in columns for g in c} - {"all", "turn 1", "turn 2"})]
+    print("| group | " + " | ".join(paths) + " |")
+    print("| --- |" + " --- |" * len(paths))
+    for g in names:
+        print(f"| {g} | " + " | ".join(f"{c[g]:.2f}" if g in c else "-" for c in columns) + " |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
