@@ -338,7 +338,10 @@ def outputs_key(cfg: EyasConfig, questions: list[dict[str, Any]]) -> dict[str, A
     """What target-only greedy outputs depend on, known before any model loads (the chat template
     is checked afterwards, by rendering every prompt again)."""
     device, _, dtype = target_placement(cfg)
-    return {"target": {k: v for k, v in describe_target(cfg.target).items() if k != "dtype"},
+    target = {k: v for k, v in describe_target(cfg.target).items() if k not in ("dtype", "path")}  # where, not what
+    if "asset" in target:  # an embedded target: its file's sha256, not where the package put it
+        target["asset"] = {k: v for k, v in target["asset"].items() if k != "source"}
+    return {"target": target,
             "dtype": str(dtype).replace("torch.", ""), "device": device.type, "bench": bench_hash(cfg.evaluate.bench),
             "questions": [q["id"] for q in questions], "max_new_tokens": cfg.evaluate.max_new_tokens}
 
