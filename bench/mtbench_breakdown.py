@@ -9,8 +9,8 @@ With several files, one column per file (e.g. two drafts on the same outputs).
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,8 +39,14 @@ def groups(counts, category: dict[str, str]) -> dict[str, float]:
 
 def main(paths: list[str]) -> None:
     category = {str(q["question_id"]): q["category"]
-                for q in map(json.loads, Path(mtbench_path()).read_text().splitlines()) if q}
-    columns = [groups(prompt_counts(json.loads(Path(p).read_text())), category) for p in paths]
+                for q in map(json.loads, filter(str.strip, Path(mtbench_path()).read_text().splitlines()))}
+    columns = []
+    for p in paths:
+        results = json.loads(Path(p).read_text())
+        bench = results["settings"]["bench"]
+        if bench not in ("mtbench", "embedded:mtbench"):
+            raise SystemExit(f"{p}: evaluated on {bench!r}, not MT-bench: no categories to split by")
+        columns.append(groups(prompt_counts(results), category))
     names = ["all", "turn 1", "turn 2", *sorted({g for c in columns for g in c} - {"all", "turn 1", "turn 2"})]
     print("| group | " + " | ".join(paths) + " |")
     print("| --- |" + " --- |" * len(paths))
@@ -49,4 +55,6 @@ def main(paths: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="+", help="results.json of `eyas evaluate` runs on MT-bench")
+    main(ap.parse_args().results)

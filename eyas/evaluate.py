@@ -341,9 +341,12 @@ def outputs_key(cfg: EyasConfig, questions: list[dict[str, Any]]) -> dict[str, A
     target = {k: v for k, v in describe_target(cfg.target).items() if k not in ("dtype", "path")}  # where, not what
     if "asset" in target:  # an embedded target: its file's sha256, not where the package put it
         target["asset"] = {k: v for k, v in target["asset"].items() if k != "source"}
-    return {"target": target,
-            "dtype": str(dtype).replace("torch.", ""), "device": device.type, "bench": bench_hash(cfg.evaluate.bench),
-            "questions": [q["id"] for q in questions], "max_new_tokens": cfg.evaluate.max_new_tokens}
+    key = {"target": target, "dtype": str(dtype).replace("torch.", ""), "device": device.type,
+           "bench": bench_hash(cfg.evaluate.bench), "questions": [q["id"] for q in questions],
+           "max_new_tokens": cfg.evaluate.max_new_tokens}
+    if device.type == "cuda":  # static caches and graphs round bf16 otherwise than transformers' own decoding
+        key["cuda_graphs"] = cfg.evaluate.cuda_graphs
+    return key
 
 
 def write_target_outputs(out_dir: Path, key: dict[str, Any], runs: list[dict[str, Any]], complete: bool) -> None:
@@ -361,7 +364,10 @@ def read_target_outputs(where: str, key: dict[str, Any]) -> tuple[Path, list[dic
     try:
         data = json.loads(path.read_text())
         theirs, runs, complete = data["key"], data["runs"], data["complete"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        if not isinstance(theirs, dict) or not all(isinstance(r, dict) and {"id", "turn", "prompt_ids", "tokens",
+                                                                           "wall_s"} <= r.keys() for r in runs):
+            raise TypeError("a key that is no object, or a run without id, turn, prompt_ids, tokens or wall_s")
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise DataError(f"{path}: not a {TARGET_OUTPUTS} ({type(e).__name__}: {exception_message(e)})") from e
 
     def shown(k, v):

@@ -68,6 +68,7 @@ RESUMABLE = ("regenerate", "train")  # a partial output of these is continued by
 # deleting its output as made with other settings
 LATER_KEYS = {
     "train": {"num_layers": 1, "align_top_k": 0, "init_from": "", "align_norm": "valid"},
+    "evaluate": {"target_outputs": ""},
 }
 
 
@@ -211,6 +212,10 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
     if "train" in stages and cfg.train.init_from and Path(cfg.train.init_from).resolve().is_relative_to(train_dir):
         raise ConfigError(f"--train.init_from={cfg.train.init_from} lies inside this run's train directory {train_dir}, "
                           "which a new training replaces: copy the draft elsewhere first, or give a new --run_dir")
+    eval_dir = cfg.stage_dir("evaluate").resolve()
+    if "evaluate" in stages and cfg.evaluate.target_outputs and Path(cfg.evaluate.target_outputs).resolve().is_relative_to(eval_dir):
+        raise ConfigError(f"--evaluate.target_outputs={cfg.evaluate.target_outputs} lies inside this run's evaluate directory "
+                          f"{eval_dir}, which a new evaluation replaces: copy the file elsewhere first")
     print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
     (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end or on failure
     record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}

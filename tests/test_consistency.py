@@ -269,7 +269,7 @@ def test_d2t_maps_draft_argmax_to_the_proposed_target_id(target):
     train_correct = {}
     for m, (r, tix) in enumerate(zip(b.rows_T[0].tolist(), b.tix_T[0].tolist())):
         _, correct, _, _, _, _ = step_terms([logits_MW[m : m + 1]], p_NW, top1_N, [torch.tensor([tix])],
-                                      [torch.tensor([r])], b.input_ids_BS.numel())
+                                         [torch.tensor([r])], b.input_ids_BS.numel())
         train_correct[r] = bool(correct[0])
 
     rec, dcache = RecordingDraft(draft), DraftCache()

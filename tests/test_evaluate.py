@@ -360,9 +360,12 @@ def test_simulate_mode_gives_the_chain_decoders_passes_without_decoding(tiny_run
     meta = json.loads((again / "meta.json").read_text())
     assert meta["hashes"]["target_outputs"] == sha256_file(tmp_path / "chain" / "target_outputs.json")
     # refused before any model loads when made under other settings, or when a prompt renders otherwise
-    assert main(_args(root, "--mode=simulate", f"--target_outputs={tmp_path / 'sim'}", *args[:-2], "--max_new_tokens=11",
-                      args[-1])) == 2
+    # (a later flag wins: --max_new_tokens=11 replaces args' 12)
+    assert main(_args(root, "--mode=simulate", f"--target_outputs={tmp_path / 'sim'}", *args, "--max_new_tokens=11")) == 2
     assert "max_new_tokens 12 there, 11 here" in capsys.readouterr().err
+    (tmp_path / "broken.json").write_text(json.dumps({"key": [], "runs": [], "complete": True}))
+    assert main(_args(root, "--mode=simulate", f"--target_outputs={tmp_path / 'broken.json'}", *args)) == 2
+    assert "broken.json: not a target_outputs.json (TypeError" in capsys.readouterr().err
     stored = json.loads((tmp_path / "sim" / "target_outputs.json").read_text())
     stored["runs"][0]["tokens"][0] = (stored["runs"][0]["tokens"][0] + 1) % 512  # question 1's first answer
     (tmp_path / "tampered.json").write_text(json.dumps(stored))

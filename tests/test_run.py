@@ -246,11 +246,12 @@ def test_online_training_plans_no_extract_stage(tmp_path):
 
 
 def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, monkeypatch):
-    """train.num_layers, train.align_top_k, train.init_from and train.align_norm joined the config after runs existed: at their
-    defaults (the behaviour before them) every stage key equals the one the code made when
-    TrainConfig had no such fields (simulated: the fields dropped from the hashed dict, no
-    LATER_KEYS), so `eyas run` continues such a run; set otherwise, train and what follows re-run,
-    extract does not."""
+    """train.num_layers, train.align_top_k, train.init_from, train.align_norm and
+    evaluate.target_outputs joined the config after runs existed: at their defaults (the behaviour
+    before them) every stage key equals the one the code made when the sections had no such fields
+    (simulated: the fields dropped from the hashed dict, no LATER_KEYS), so `eyas run` continues
+    such a run; set otherwise, train and what follows re-run, extract does not (target_outputs: only
+    evaluate)."""
     import eyas.run as r
     from eyas.config import load_config, to_dict
 
@@ -261,19 +262,27 @@ def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, mo
                 ["--train.init_from=/drafts/a"], ["--train.align_top_k=3", "--train.align_norm=kept"])]
     later = dict(r.LATER_KEYS["train"])
     assert set(later) == {"num_layers", "align_top_k", "init_from", "align_norm"}
+    assert r.LATER_KEYS["evaluate"] == {"target_outputs": ""}
+    simulate = ["--evaluate.mode=simulate"]
+    sim = r.run_keys(*r.stage_plan(load_config(str(y), simulate)))
+    stored = r.run_keys(*r.stage_plan(load_config(str(y), [*simulate, "--evaluate.target_outputs=/outputs"])))
 
     def without_the_fields(section):
         d = to_dict(section)
         if isinstance(d, dict) and "ttt_steps" in d:  # the train section
             for k in later:
                 del d[k]
+        if isinstance(d, dict) and "tree_depth" in d:  # the evaluate section
+            del d["target_outputs"]
         return d
 
     monkeypatch.setattr(r, "to_dict", without_the_fields)
     monkeypatch.setattr(r, "LATER_KEYS", {})
     assert r.run_keys(*r.stage_plan(load_config(str(y), []))) == keys
+    assert r.run_keys(*r.stage_plan(load_config(str(y), simulate))) == sim
     for other in changed:
         assert other["extract"] == keys["extract"] and other["train"] != keys["train"] and other["export"] != keys["export"]
+    assert stored["train"] == sim["train"] and stored["evaluate"] != sim["evaluate"]
 
 
 def test_multi_layer_drafts_are_refused_an_sglang_export_before_anything_runs():
@@ -289,9 +298,10 @@ def test_multi_layer_drafts_are_refused_an_sglang_export_before_anything_runs():
     assert load_config(None, ["--train.num_layers=2", "--export.format=speculators"]).train.num_layers == 2
 
 
-def test_a_draft_to_start_from_inside_the_runs_own_train_directory_is_refused(tmp_path):
-    """A new training replaces RUN_DIR/train: `eyas run` refuses --train.init_from there before any
-    stage runs (it would delete the draft, then fail to find it)."""
+def test_inputs_inside_the_stage_directories_a_run_replaces_are_refused(tmp_path):
+    """A new training replaces RUN_DIR/train, a new evaluation RUN_DIR/evaluate: `eyas run` refuses
+    --train.init_from or --evaluate.target_outputs there before any stage runs (it would delete the
+    draft or the outputs, then fail to find them)."""
     from eyas.config import load_config
     from eyas.errors import ConfigError
     from eyas.run import main as run
@@ -300,4 +310,7 @@ def test_a_draft_to_start_from_inside_the_runs_own_train_directory_is_refused(tm
     for inside in ("train/final", "train"):
         with pytest.raises(ConfigError, match="inside this run's train directory"):
             run(load_config(str(y), [f"--train.init_from={tmp_path / 'run' / inside}"]))
+    assert not (tmp_path / "run" / "regenerate").exists()
+    with pytest.raises(ConfigError, match="inside this run's evaluate directory"):  # the same for stored outputs
+        run(load_config(str(y), ["--evaluate.mode=simulate", f"--evaluate.target_outputs={tmp_path / 'run' / 'evaluate'}"]))
     assert not (tmp_path / "run" / "regenerate").exists()

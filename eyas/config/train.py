@@ -37,9 +37,10 @@ class TrainConfig:
     align_norm: str = "valid"
     """What divides step i's loss under align_top_k: valid = its valid positions (kept or not), so a
     step weighs less as fewer of its positions stay aligned; kept = the positions align_top_k keeps
-    (GRIFFIN's), so every step keeps its weight step_weight**i. With several micro-batches or ranks,
-    kept rescales each micro-batch by its own valid / kept count (no extra collective); with one
-    micro-batch on one rank it is exact."""
+    (GRIFFIN's), so every step keeps its weight step_weight**i. Exact with one micro-batch on one
+    rank; with several micro-batches or ranks each one's step loss is rescaled by its own valid /
+    kept count (no extra collective): a valid-weighted mean of the micro-batches' kept means, in
+    which a micro-batch that keeps none of its valid rows counts for nothing."""
     lr: float = 1e-4
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.0

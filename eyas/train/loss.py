@@ -38,7 +38,8 @@ GRIFFIN's token-alignable training: a serving engine never drafts step i after a
 so those rows only spend the draft's capacity. The normaliser stays the count of valid rows of
 step i, so a step's weight falls with its alive share, unless train.align_norm = kept: then each
 micro-batch's step-i loss is rescaled by its valid / kept rows (GRIFFIN's trainer divides by the
-kept rows), which keeps every step's weight at step_weight**i.
+kept rows), which keeps every step's weight at step_weight**i (exactly with one micro-batch on one
+rank; with several, as a valid-weighted mean of their kept means).
 """
 
 from __future__ import annotations
