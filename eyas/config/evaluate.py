@@ -84,9 +84,10 @@ class EvaluateConfig:
     target_outputs.json, or the directory holding it) instead of decoding them again, so only this
     draft's teacher-forced pass runs (SmolLM2 on MT-bench, 2-core CPU, float32: decoding took 2,535 s
     of 2,829). They must come from the same target (name, revision and, for an embedded one, its
-    file's sha256; a local path's weights are not hashed), dtype, device type, bench file,
-    questions and max_new_tokens, checked before any model loads, and every prompt is rendered
-    again from them and compared. Every greedy evaluation that decodes target-only writes that file."""
+    file's sha256; a local path's weights are not hashed), dtype, device type (on CUDA also
+    cuda_graphs), bench file, questions and max_new_tokens, checked before any model loads, and
+    every prompt is rendered again from them and compared. Every greedy evaluation that decodes
+    target-only writes that file."""
     max_seconds: float = 0.0
     """Wall-clock budget of the decoding (0 = none). Questions are taken in order, each decoded by
     every decoder (target-only, chain, tree) before the next; after the first, no question is
