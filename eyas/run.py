@@ -72,6 +72,10 @@ LATER_KEYS = {
 }
 
 
+INPUTS_OUTSIDE = (("train", "init_from"), ("evaluate", "target_outputs"))
+"""Paths a stage reads that must not lie in that stage's own directory (`eyas run` checks first)."""
+
+
 def stage_plan(cfg: EyasConfig) -> tuple[dict[str, EyasConfig], list[str]]:
     """The stages to run and the config each sees: with regenerate enabled, regenerate reads
     `prepare.data` and every later stage sees prepare reading regenerate's conversations; online
@@ -208,14 +212,12 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
                           f"{', '.join(stages)}; regenerate needs regenerate.enabled, extract train.mode=offline)")
     keys = run_keys(configs, stages)
     cfg = configs[stages[-1]]
-    train_dir = cfg.stage_dir("train").resolve()
-    if "train" in stages and cfg.train.init_from and Path(cfg.train.init_from).resolve().is_relative_to(train_dir):
-        raise ConfigError(f"--train.init_from={cfg.train.init_from} lies inside this run's train directory {train_dir}, "
-                          "which a new training replaces: copy the draft elsewhere first, or give a new --run_dir")
-    eval_dir = cfg.stage_dir("evaluate").resolve()
-    if "evaluate" in stages and cfg.evaluate.target_outputs and Path(cfg.evaluate.target_outputs).resolve().is_relative_to(eval_dir):
-        raise ConfigError(f"--evaluate.target_outputs={cfg.evaluate.target_outputs} lies inside this run's evaluate directory "
-                          f"{eval_dir}, which a new evaluation replaces: copy the file elsewhere first")
+    for stage, key in INPUTS_OUTSIDE:  # a stage that runs replaces its directory, and an input there with it
+        given = getattr(getattr(cfg, stage), key)
+        if stage in stages and given and Path(given).resolve().is_relative_to(cfg.stage_dir(stage).resolve()):
+            raise ConfigError(f"--{stage}.{key}={given} lies inside this run's {stage} directory "
+                              f"{cfg.stage_dir(stage).resolve()}, which the {stage} stage replaces when it runs: copy "
+                              f"it elsewhere first, or give a new --run_dir")
     print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
     (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end or on failure
     record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
