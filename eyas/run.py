@@ -67,7 +67,7 @@ RESUMABLE = ("regenerate", "train")  # a partial output of these is continued by
 # the key existed) they are left out of the run key, so `eyas run` continues such a run instead of
 # deleting its output as made with other settings
 LATER_KEYS = {
-    "train": {"num_layers": 1, "align_top_k": 0, "init_from": "", "align_norm": "valid"},
+    "train": {"num_layers": 1, "align_top_k": 0, "init_from": "", "align_norm": "valid", "init_vocab": "same"},
     "evaluate": {"target_outputs": ""},
 }
 

@@ -246,7 +246,7 @@ def test_online_training_plans_no_extract_stage(tmp_path):
 
 
 def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, monkeypatch):
-    """train.num_layers, train.align_top_k, train.init_from, train.align_norm and
+    """train.num_layers, train.align_top_k, train.init_from, train.align_norm, train.init_vocab and
     evaluate.target_outputs joined the config after runs existed: at their defaults (the behaviour
     before them) every stage key equals the one the code made when the sections had no such fields
     (simulated: the fields dropped from the hashed dict, no LATER_KEYS), so `eyas run` continues
@@ -259,9 +259,10 @@ def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, mo
     keys = r.run_keys(*r.stage_plan(load_config(str(y), [])))
     changed = [r.run_keys(*r.stage_plan(load_config(str(y), args))) for args in
                (["--train.num_layers=2", "--export.format=speculators"], ["--train.align_top_k=1"],
-                ["--train.init_from=/drafts/a"], ["--train.align_top_k=3", "--train.align_norm=kept"])]
+                ["--train.init_from=/drafts/a"], ["--train.align_top_k=3", "--train.align_norm=kept"],
+                ["--train.init_from=/drafts/a", "--train.init_vocab=remap"])]
     later = dict(r.LATER_KEYS["train"])
-    assert set(later) == {"num_layers", "align_top_k", "init_from", "align_norm"}
+    assert set(later) == {"num_layers", "align_top_k", "init_from", "align_norm", "init_vocab"}
     assert r.LATER_KEYS["evaluate"] == {"target_outputs": ""}
     simulate = ["--evaluate.mode=simulate"]
     sim = r.run_keys(*r.stage_plan(load_config(str(y), simulate)))
@@ -283,6 +284,7 @@ def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, mo
     for other in changed:
         assert other["extract"] == keys["extract"] and other["train"] != keys["train"] and other["export"] != keys["export"]
     assert stored["train"] == sim["train"] and stored["evaluate"] != sim["evaluate"]
+    assert changed[4]["train"] != changed[2]["train"]  # init_vocab=remap against init_from alone
 
 
 def test_multi_layer_drafts_are_refused_an_sglang_export_before_anything_runs():

@@ -3,6 +3,7 @@ non-finite stop, kill -9 + resume, outputs (final draft, meta.json, plots)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -14,7 +15,8 @@ import time
 import pytest
 import torch
 
-from eyas.errors import ConfigError
+from eyas.draft import Eagle3Draft
+from eyas.errors import ArtifactError, ConfigError
 from eyas.train import build, run
 from eyas.train.loss import acceptance_length, step_terms, teacher_targets, weighted_loss
 from train_helpers import InMemoryStates, read_metrics, run_prepare, save_tiny_llama, train_config, write_chats
@@ -196,6 +198,10 @@ def test_config_errors_name_the_flag(tmp_path):
         train_config(tmp_path, "--train.align_norm=kept")
     with pytest.raises(ConfigError, match="train.align_norm='rows': choose one of valid, kept"):
         train_config(tmp_path, "--train.align_norm=rows", "--train.align_top_k=3")
+    with pytest.raises(ConfigError, match="train.init_vocab='remap' needs train.init_from"):
+        train_config(tmp_path, "--train.init_vocab=remap")
+    with pytest.raises(ConfigError, match="train.init_vocab='any': choose one of same, remap"):
+        train_config(tmp_path, "--train.init_vocab=any", "--train.init_from=/d")
     with pytest.raises(ConfigError, match="did you mean 'train.max_tokens'"):
         train_config(tmp_path, "--train.max_token=5")
 
@@ -332,10 +338,28 @@ def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_targe
         build.build_trainer(wider, data, cpu, total_steps=5)
     d2t = data.d2t.clone()
     d2t[-1] += 1
-    from eyas.errors import ArtifactError
-
     with pytest.raises(ArtifactError, match="another draft vocabulary"):
         build.init_weights(fresh.draft, str(final), d2t, data.t2d)
+    # init_vocab=remap: on the same vocabulary a plain copy; on another one the shared tokens' rows
+    # by target id, every other weight as trained (remap_head's own test checks the new rows)
+    remap = tiny_cfg(tmp_path / "m", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={final}",
+                     "--train.init_vocab=remap")
+    tr, _ = build.build_trainer(remap, data, cpu, total_steps=5)
+    assert all(torch.equal(p, q) for p, q in zip(tr.draft.parameters(), trained.parameters()))
+    assert "vocab" not in tr.init_from
+    ids_W = torch.arange(data.d2t.numel()) + data.d2t
+    ids_X = torch.cat([ids_W[100:], torch.tensor(sorted(set(range(700)) - set(ids_W.tolist()))[:50])])
+    t2d_X = torch.zeros_like(data.t2d)
+    t2d_X[ids_X] = True
+    other = Eagle3Draft(dataclasses.replace(trained.config, draft_vocab_size=ids_X.numel()), data.embed_VD)
+    other.set_vocab(ids_X - torch.arange(ids_X.numel()), t2d_X)
+    with pytest.raises(ArtifactError, match="--train.init_vocab=remap"):
+        build.init_weights(other, str(final), other.d2t, other.t2d)
+    record = build.init_weights(other, str(final), other.d2t, other.t2d, data.lm_head_VD, remap=True)
+    assert record["vocab"] == {"copied": data.d2t.numel() - 100, "new": 50}
+    assert torch.equal(other.lm_head.weight[: ids_X.numel() - 50], trained.lm_head.weight[100:])
+    for (name, p), q in zip(other.named_parameters(), trained.parameters()):
+        assert name == "lm_head.weight" or torch.equal(p, q), name
     # a whole run records the draft it started from, also when it was resumed (the checkpoint keeps it)
     cfg = tiny_cfg(tmp_path / "r", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={exported}",
                    "--train.max_steps=3", "--train.save_every=1", "--train.keep_checkpoints=0")
@@ -349,6 +373,27 @@ def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_targe
     monkeypatch.setattr(build, "load_data", lambda *a: pytest.fail("read the data before checking init_from"))
     with pytest.raises(ConfigError, match="not a draft directory"):
         run(tiny_cfg(tmp_path / "x", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={tmp_path}"))
+
+
+def test_remap_head_copies_shared_tokens_and_fits_the_rest():
+    """A hand-built remap: V 10 target tokens, D 3; the trained draft holds target ids 1 3 4 7 8,
+    the new vocabulary 0 1 3 4 5 7 8 9 (in another order). Shared tokens keep their trained rows;
+    the new ones are the target's rows times the float64 normal-equations solution on the shared."""
+    g = torch.Generator().manual_seed(0)
+    lm_head_VD = torch.randn(10, 3, generator=g)
+    src_ids = torch.tensor([1, 3, 4, 7, 8])
+    head_UD = torch.randn(5, 3, generator=g)
+    ids = torch.tensor([9, 4, 1, 0, 8, 3, 5, 7])
+    out, counts = build.remap_head(head_UD, src_ids - torch.arange(5), ids - torch.arange(8), lm_head_VD)
+    assert counts == {"copied": 5, "new": 3}
+    src_row = {int(t): i for i, t in enumerate(src_ids)}
+    X = lm_head_VD.double()[src_ids]
+    M = torch.linalg.solve(X.T @ X, X.T @ head_UD.double())
+    for w, t in enumerate(ids.tolist()):
+        want = head_UD[src_row[t]] if t in src_row else (lm_head_VD.double()[t] @ M).float()
+        torch.testing.assert_close(out[w], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ArtifactError, match="share no token"):
+        build.remap_head(head_UD, src_ids - torch.arange(5), torch.tensor([0, 2]) - torch.arange(2), lm_head_VD)
 
 
 def test_offline_equals_online_for_one_step(tmp_path, smol_prep, tiny_target):

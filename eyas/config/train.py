@@ -10,6 +10,7 @@ PARALLELS = ("auto", "ddp", "fsdp")
 ATTENTIONS = ("auto", "sdpa", "flex")
 LOSS_KERNELS = ("auto", "eager", "compiled")
 ALIGN_NORMS = ("valid", "kept")
+INIT_VOCABS = ("same", "remap")
 
 
 @dataclass
@@ -148,6 +149,14 @@ class TrainConfig:
     resumed run reads its checkpoint, not this; meta.json's inputs name the draft and its sha256).
     `eyas run` keys the train stage on this path, not on the file's content. Empty = random
     initialisation."""
+    init_vocab: str = "same"
+    """What train.init_from's draft vocabulary must be. same: this run's (d2t and t2d equal; else
+    refused). remap: any, e.g. a draft trained with a smaller prepare.draft_vocab_size moved to a
+    larger one or the whole target vocabulary: each lm_head row of a token both vocabularies hold is
+    copied, and each other row is the target's lm_head row of that token through the least-squares
+    linear map that takes the target's rows to the trained draft's on the shared tokens (a start
+    that ranks a new token as the target's own head would, in the draft's space). Train prints and
+    meta.json's inputs.init_from record how many rows were copied and how many are new."""
     resume: str = ""
     """auto: continue from the latest checkpoint in OUT_DIR/checkpoints if there is one; a
     checkpoint directory: continue from it; empty: start fresh (an existing run is an error)."""
@@ -168,6 +177,10 @@ class TrainConfig:
                 f"train.align_norm={self.align_norm!r}: choose one of {', '.join(ALIGN_NORMS)}")
         require(self.align_norm == "valid" or self.align_top_k > 0,
                 f"train.align_norm={self.align_norm!r} needs train.align_top_k > 0 (without it every valid position is kept)")
+        require(self.init_vocab in INIT_VOCABS,
+                f"train.init_vocab={self.init_vocab!r}: choose one of {', '.join(INIT_VOCABS)}")
+        require(self.init_vocab == "same" or bool(self.init_from),
+                f"train.init_vocab={self.init_vocab!r} needs train.init_from (a draft to remap)")
         require(self.loss_kernel in LOSS_KERNELS,
                 f"train.loss_kernel={self.loss_kernel!r}: choose one of {', '.join(LOSS_KERNELS)}")
         require(self.lr > 0, f"train.lr={self.lr} must be > 0")

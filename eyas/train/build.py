@@ -192,10 +192,15 @@ def check_init_from(path: str) -> Path:
                       f"{DRAFT_WEIGHTS}, as train's final/; an export holds {CONFIG} + {WEIGHTS})")
 
 
-def init_weights(draft: Eagle3Draft, path: str, d2t: torch.Tensor, t2d: torch.Tensor) -> dict[str, str]:
+def init_weights(
+    draft: Eagle3Draft, path: str, d2t: torch.Tensor, t2d: torch.Tensor, lm_head_VD: torch.Tensor | None = None,
+    remap: bool = False,
+) -> dict[str, Any]:
     """Copy the trained draft at `path` (--train.init_from) into `draft` -> {dir, weights_sha256}
-    for meta.json and the checkpoints (a resumed run still names it). Refused unless it has the
-    draft's shape (SHAPE_FIELDS) and vocabulary."""
+    for meta.json and the checkpoints (a resumed run still names it), plus `vocab` {copied, new}
+    when the vocabulary was remapped. Refused unless it has the draft's shape (SHAPE_FIELDS) and
+    vocabulary; `remap` (--train.init_vocab=remap) allows another draft vocabulary: lm_head rows
+    by target token (`remap_head`, which needs the target's `lm_head_VD`)."""
     from eyas.assets import sha256_file
     from eyas.draft import DRAFT_WEIGHTS, load_draft
     from eyas.export import load_exported
@@ -204,18 +209,55 @@ def init_weights(draft: Eagle3Draft, path: str, d2t: torch.Tensor, t2d: torch.Te
     load = load_draft if weights.name == DRAFT_WEIGHTS else load_exported
     src = load(weights.parent, draft.embed_weight)
     have, want = src.config.to_dict(), draft.config.to_dict()
-    diff = ", ".join(f"{k} {have[k]} there, {want[k]} here" for k in SHAPE_FIELDS if have[k] != want[k])
+    fields = [k for k in SHAPE_FIELDS if k != "draft_vocab_size"]  # the vocabulary check below says more
+    diff = ", ".join(f"{k} {have[k]} there, {want[k]} here" for k in fields if have[k] != want[k])
     if diff:
         raise ConfigError(f"train.init_from={path!r} is another draft shape ({diff}): set the --train.* shape keys "
                           "(intermediate_size, num_layers, heads) to the draft's, or start without it")
-    if not (torch.equal(src.d2t, d2t.to(src.d2t.device)) and torch.equal(src.t2d, t2d.to(src.t2d.device))):
-        raise ArtifactError(f"train.init_from={path!r} has another draft vocabulary (d2t/t2d) than this run's prepare "
-                            "stage: prepare with the draft_vocab_size and data it was trained on, or start without it")
+    same_vocab = src.d2t.shape == d2t.shape and torch.equal(src.d2t, d2t.to(src.d2t.device)) and torch.equal(
+        src.t2d, t2d.to(src.t2d.device))
+    if not same_vocab and not remap:
+        raise ArtifactError(f"train.init_from={path!r} has another draft vocabulary (d2t/t2d; draft_vocab_size "
+                            f"{have['draft_vocab_size']} there, {want['draft_vocab_size']} here) than this run's prepare "
+                            "stage: prepare with the draft_vocab_size and data it was trained on, start without it, "
+                            "or pass --train.init_vocab=remap to carry its lm_head rows over by token")
     trained = dict(src.named_parameters())
+    record: dict[str, Any] = {"dir": str(weights.parent), "weights_sha256": sha256_file(weights)}
     with torch.no_grad():
         for name, p in draft.named_parameters():
-            p.copy_(trained[name])
-    return {"dir": str(weights.parent), "weights_sha256": sha256_file(weights)}
+            if name == "lm_head.weight" and not same_vocab:
+                assert lm_head_VD is not None, "remapping the draft vocabulary needs the target's lm_head"
+                head, record["vocab"] = remap_head(trained[name], src.d2t, d2t, lm_head_VD)
+                p.copy_(head)
+            else:
+                p.copy_(trained[name])
+    return record
+
+
+def remap_head(
+    head_UD: torch.Tensor, src_d2t: torch.Tensor, d2t: torch.Tensor, lm_head_VD: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, int]]:
+    """A trained draft's lm_head (U rows: draft ids of `src_d2t`) -> one for the draft vocab `d2t`
+    (W rows) and {copied, new}: a token both hold keeps its trained row; each other row is the
+    target's row of that token times M, the least-squares fit of target rows -> trained rows on the
+    shared tokens (float32, on the CPU). None shared is refused: nothing would carry over."""
+    src_ids_U = torch.arange(src_d2t.numel()) + src_d2t.cpu()
+    ids_W = torch.arange(d2t.numel()) + d2t.cpu()
+    src_row_V = torch.full((lm_head_VD.shape[0],), -1, dtype=torch.long)
+    src_row_V[src_ids_U] = torch.arange(src_ids_U.numel())
+    row_W = src_row_V[ids_W]
+    shared_W = row_W >= 0
+    n_shared = int(shared_W.sum())
+    if n_shared == 0:
+        raise ArtifactError("train.init_vocab=remap: the two draft vocabularies share no token")
+    trained_UD = head_UD.detach().float().cpu()
+    target_VD = lm_head_VD.detach().float().cpu()
+    out_WD = torch.empty(ids_W.numel(), trained_UD.shape[1])
+    out_WD[shared_W] = trained_UD[row_W[shared_W]]
+    if n_shared < ids_W.numel():
+        fit_DD = torch.linalg.lstsq(target_VD[ids_W[shared_W]], trained_UD[row_W[shared_W]], driver="gelsd").solution
+        out_WD[~shared_W] = target_VD[ids_W[~shared_W]] @ fit_DD
+    return out_WD, {"copied": n_shared, "new": ids_W.numel() - n_shared}
 
 
 def build_trainer(
@@ -230,9 +272,12 @@ def build_trainer(
     draft.set_vocab(data.d2t, data.t2d)
     record = None
     if init and tc.init_from:
-        record = init_weights(draft, tc.init_from, data.d2t, data.t2d)
+        record = init_weights(draft, tc.init_from, data.d2t, data.t2d, data.lm_head_VD, tc.init_vocab == "remap")
         if rank == 0:
-            print(f"[eyas:train] weights from {tc.init_from} (sha256 {record['weights_sha256'][:12]}); "
+            remapped = (f"; draft vocabulary remapped: {record['vocab']['copied']:,} lm_head rows copied, "
+                        f"{record['vocab']['new']:,} new (the target's rows through a least-squares map)"
+                        if "vocab" in record else "")
+            print(f"[eyas:train] weights from {tc.init_from} (sha256 {record['weights_sha256'][:12]}){remapped}; "
                   "optimizer and learning-rate schedule start afresh", flush=True)
     draft.to(device)
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")

@@ -60,7 +60,7 @@ class Trainer:
     world_size: int = 1
     rank: int = 0
     states: Any = None  # OnlineStates in online mode
-    init_from: dict[str, str] | None = None  # train.init_from's {dir, weights_sha256}, kept in checkpoints
+    init_from: dict[str, Any] | None = None  # train.init_from's {dir, weights_sha256[, vocab]}, kept in checkpoints
     weights_T: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
