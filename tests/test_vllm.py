@@ -10,13 +10,15 @@ speculators), and a third with two draft layers (vLLM's multi-layer EAGLE-3, spe
 * the fitted draft again with num_layers = 2 (its second layer a plain Llama decoder layer), and a
   copy of it whose second layer's output projections are halved (a tau below the ceiling that
   depends on that layer);
+* the fitted draft over the whole target vocabulary (W == V), its rows in a shuffled draft order:
+  exported without d2t (rows in target order), served by vLLM without a draft-to-target mapping;
 * the draft of eyas's own stages, run through the CLI as a user runs them
   (tests/vllm_train_helpers.trained_draft): `eyas prepare` on chats whose assistant turns are the
   target's greedy answers to the same prompts (real tokenizer and chat template), `eyas extract`,
   `eyas train` (offline, 20 steps at lr 3e-3: it overfits those chats on purpose),
   `eyas export --format both`.
 
-For each of the six exports vLLM must load exactly the exported tensors, aux layers, residual
+For each of the seven exports vLLM must load exactly the exported tensors, aux layers, residual
 variant and RoPE base (read inside vLLM's worker), produce the target-only greedy output, and reach
 the mean acceptance length that eyas's own chain decoding (eyas.spec.speculative_generate) measures
 for the same export read back with load_exported, within TAU_TOL (tau above MIN_TAU, so the
@@ -28,7 +30,7 @@ d2t (so a d2t mistake is caught), and two mis-served exports of the fitted draft
 SGLang's convention in vLLM's field, norm_before_residual flipped in config.json -- which vLLM
 loads without complaint and which the tau comparison must reject.
 
-Runtime on 2 CPU cores (shared, so noisy): ~3-8 minutes (11 vLLM engines in one process; fitting
+Runtime on 2 CPU cores (shared, so noisy): ~3-8 minutes (12 vLLM engines in one process; fitting
 ~25 s; eyas's stages and chain evaluation of their draft ~20 s).
 """
 
@@ -69,7 +71,7 @@ TAU_TOL = 0.1
 what remains is kernel-level float noise flipping a near-tied argmax and the end of generation
 (vLLM and eyas both finish the step that crosses max_tokens). Both correct drafts are far from
 ties: scaling every weight of the trained one by (1 + 1e-3 noise) leaves eyas's tau unchanged."""
-MIN_TAU = {"fitted": 2.5, "trained": 2.0, "fitted_2layer": 2.5, "fitted_2layer_halved": 2.0}
+MIN_TAU = {"fitted": 2.5, "trained": 2.0, "fitted_2layer": 2.5, "fitted_2layer_halved": 2.0, "fitted_full": 2.0}
 """Below this a draft is too weak for the comparison to mean much (a useless or mis-served draft
 reaches about 1). Measured (K = 3, so at most 4): fitted 3.9-4.0; trained 3.2, where 25 and 30
 training steps give 3.7 and 4.0. The trained run is deterministic (CPU, one thread, fixed seed and
@@ -79,7 +81,7 @@ reach 4.0, where a wrong second layer could still match); its copy with the seco
 and down_proj halved reads 2.39 (at 50 steps 2.74 in both eyas and vLLM; zeroed 1.88): it agrees
 only if vLLM runs that layer as eyas does."""
 SERVED = {"sglang": "fitted", "speculators": "fitted", "trained_sglang": "trained", "trained_speculators": "trained",
-          "two_layer": "fitted_2layer", "two_layer_halved": "fitted_2layer_halved"}
+          "two_layer": "fitted_2layer", "two_layer_halved": "fitted_2layer_halved", "full_vocab": "fitted_full"}
 """vLLM run -> the draft it serves (the fitted one, or the one from eyas's stages) in one layout."""
 
 
@@ -142,6 +144,18 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     halved = export_draft(draft2, work / "two_layer_halved", formats=("speculators",), **verifier, num_speculative_tokens=K)
     halved_outputs, halved_stats = chain_eval(target, load_exported(halved["speculators"], embed_VD).eval(), prompts)
 
+    # a draft fitted over the whole vocabulary (W == V, as --prepare.draft_vocab_size=49152 makes),
+    # then its rows put in a shuffled draft order (an exact re-indexing: prepare orders the draft
+    # vocabulary by frequency): the export drops d2t (rows in target order), vLLM maps nothing
+    v = tcfg.vocab_size
+    full = fitted_draft(target, seqs, aux_layer_ids=AUX, draft_vocab=v)
+    perm = torch.randperm(v, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full.lm_head.weight.copy_(full.lm_head.weight[perm].clone())
+        full.d2t.copy_((torch.arange(v) + full.d2t)[perm] - torch.arange(v))
+    full_vocab = export_draft(full, work / "full_vocab", formats=("speculators",), **verifier, num_speculative_tokens=K)
+    full_outputs, full_stats = chain_eval(target, load_exported(full_vocab["speculators"], embed_VD).eval(), prompts)
+
     # the draft of eyas's own stages (CLI), trained on the target's answers to the same prompts;
     # eyas measures the speculators read-back, vLLM serves both layouts (a cross-check of the two)
     t2 = time.perf_counter()
@@ -168,6 +182,7 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
         {"name": "trained_sglang", "draft": str(trained["sglang"]), "k": K},
         {"name": "trained_speculators", "draft": str(trained["speculators"]), "k": K},
         {"name": "two_layer", "draft": str(two_layer["speculators"]), "k": K},
+        {"name": "full_vocab", "draft": str(full_vocab["speculators"]), "k": K},
         {"name": "two_layer_halved", "draft": str(halved["speculators"]), "k": K},
         {"name": "constant", "draft": str(const["speculators"]), "k": K},
         {"name": "shifted", "draft": str(shifted["speculators"]), "k": K},
@@ -180,9 +195,9 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
         "runs": result["runs"],
         "continuations": conts,
         "eyas_outputs": {"fitted": fitted_outputs, "trained": trained_outputs, "fitted_2layer": two_outputs,
-                         "fitted_2layer_halved": halved_outputs},
+                         "fitted_2layer_halved": halved_outputs, "fitted_full": full_outputs},
         "eyas_stats": {"fitted": fitted_stats, "trained": trained_stats, "fitted_2layer": two_stats,
-                       "fitted_2layer_halved": halved_stats},
+                       "fitted_2layer_halved": halved_stats, "fitted_full": full_stats},
         "token": token,
     }
 
@@ -192,7 +207,8 @@ def test_vllm_target_matches_transformers(served):
     correct drafts) agree on the greedy output."""
     want = [c[:MAX_TOKENS] for c in served["continuations"]]
     assert served["runs"]["target"]["outputs"] == want
-    assert served["eyas_outputs"] == {"fitted": want, "trained": want, "fitted_2layer": want, "fitted_2layer_halved": want}
+    assert served["eyas_outputs"] == {"fitted": want, "trained": want, "fitted_2layer": want, "fitted_2layer_halved": want,
+                                      "fitted_full": want}
 
 
 @pytest.mark.parametrize("run", list(SERVED))
@@ -206,7 +222,8 @@ def test_vllm_loads_exactly_the_exported_draft(served, run):
     assert ins["target_aux_layers"] == AUX  # vLLM captures the streams eyas trained on
     assert ins["residual_norm"] == "_norm_after_residual"  # norm_before_residual=False honoured
     assert ins["rope_base"] == 100000.0 and ins["head_size"] == 64
-    assert ins["d2t_loaded"] and ins["d2t_equal"]
+    full = run == "full_vocab"  # W == V: no d2t exported, none built (vLLM maps nothing)
+    assert ins["d2t_loaded"] == (not full) and ins["d2t_equal"] == (None if full else True)
     assert ins["embed_shared"]  # no embed_tokens exported: the target's embedding is used
     bad = {k: v for k, v in ins["tensor_errors"].items() if isinstance(v, str) or v > 1e-4}
     assert not bad, bad
