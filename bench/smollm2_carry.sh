@@ -8,9 +8,10 @@
 #               data/smollm2-sharegpt-regenerated.jsonl.xz (by id)                 -> `regenerate_rest`
 #               with ALL=1 instead sharegpt_all.jsonl.xz, all 17,671 (19.6 MB)     -> `source`
 #   .carry/cfg  smolcfg/: SmolLM2's config and tokenizer, no weights (2 MB)        -> `check`, or `keep`'s profile
-#   .carry/d1, .carry/d2  with DRAFT=DIR (a train call's returned folder: draft_model.safetensors.part*
-#               and train_files.tar): the draft's parts but the last (d1, `stash`), the last with the
-#               speculators export's config.json and the joined weights' sha256 (d2)   -> `evaluate_draft`
+#   .carry/d1, .carry/d2, ...  with DRAFT=DIR (a train call's returned folder: draft_model.safetensors.part*
+#               and train_files.tar): the draft's parts, as many per folder as one call carries, the
+#               last folder also the speculators export's config.json and the joined weights' sha256:
+#               `STASH=.carry/dN ... stash` each, then `evaluate_draft` or a train from /root/init
 # and prints what each call would carry against the 64 MiB (failing when one is over). .carry/ is
 # in .gitignore.
 #     bash bench/smollm2_carry.sh            # then the calls of bench/smollm2_gpu.sh's header
@@ -51,20 +52,28 @@ with lzma.open(f"{out}/{name}.jsonl.xz", "wt", encoding="utf-8", preset=6) as f:
         f.write(json.dumps(r, ensure_ascii=False) + "\n")
 print(f"{len(keep)} of {len(recs)} ShareGPT records -> {out}/{name}.jsonl.xz")
 PY
+# what travels with every call: tracked files and untracked ones git does not ignore
+tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r stat -c %s -- 2>/dev/null \
+    | awk '{s += $1} END {print s + 0}')
 if [[ -n ${DRAFT:-} ]]; then
-    rm -rf $C/d1 $C/d2 && mkdir -p $C/d1 $C/d2
+    # the parts in name order into d1, d2, ...: each folder as many as fit one call beside the
+    # working tree with 2 MB to spare (the device counted a 67.0 MB d1 call over its 64 MiB);
+    # the last folder also holds config.json and the joined weights' sha256
+    rm -rf $C/d[0-9]* && mkdir -p $C/d1
     mapfile -t dparts < <(ls "$DRAFT"/draft_model.safetensors.part* | sort)
-    for p in "${dparts[@]::${#dparts[@]}-1}"; do cp "$p" $C/d1/draft.${p##*.}; done
-    cp "${dparts[-1]}" $C/d2/draft.${dparts[-1]##*.}
-    tar xOf "$DRAFT/train_files.tar" ./export_speculators_config.json > $C/d2/config.json
-    cat "${dparts[@]}" | sha256sum | cut -d' ' -f1 > $C/d2/sha256
+    room=$(( 67108864 - tree - 2000000 )) i=1 used=0
+    for p in "${dparts[@]}"; do
+        n=$(stat -c %s "$p")
+        if (( used > 0 && used + n > room )); then i=$(( i + 1 )) used=0; mkdir -p $C/d$i; fi
+        cp "$p" $C/d$i/draft.${p##*.}
+        used=$(( used + n ))
+    done
+    tar xOf "$DRAFT/train_files.tar" ./export_speculators_config.json > $C/d$i/config.json
+    cat "${dparts[@]}" | sha256sum | cut -d' ' -f1 > $C/d$i/sha256
 fi
 smol=$($PY -c "from eyas import assets; print(assets.smollm2_dir())")
 cp "$smol"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} $C/cfg/smolcfg/
 
-# what travels with every call: tracked files and untracked ones git does not ignore
-tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r stat -c %s -- 2>/dev/null \
-    | awk '{s += $1} END {print s + 0}')
 size() { du -cb "$@" | tail -1 | cut -f1; }
 over=0
 call() {  # NAME FOLDER...: the call's bytes with the working tree
@@ -82,7 +91,6 @@ else
 fi
 call "check (r2 cfg)" $C/r2 $C/cfg
 if [[ -n ${DRAFT:-} ]]; then
-    call "stash (d1)" $C/d1
-    call "evaluate_draft (d2)" $C/d2
+    for d in $C/d[0-9]*; do call "stash (${d##*/})" $d; done
 fi
 exit $over

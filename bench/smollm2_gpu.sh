@@ -51,17 +51,18 @@
 #               (STASH, e.g. ".carry/p2" or ".carry/d1") kept in /root/keep for a later call: what
 #               does not fit one call with the repository (the GGUF's second half, a draft's parts)
 #   evaluate_draft  a draft trained in an earlier lease, carried back up (`DRAFT=DIR bash
-#               bench/smollm2_carry.sh` makes .carry/d1 and .carry/d2 from a train call's returned
-#               parts): `eyas evaluate` of /root/keep/draft.part* (stashed) + .carry/d2/draft.part*
-#               joined in name order into model.safetensors (checked against .carry/d2/sha256),
-#               .carry/d2/config.json (the speculators export's), with keep's evaluate overrides;
-#               the GGUF joins from the stashed second half when .carry/p2 is not carried. Give it
-#               the call's whole 600 s: on a fresh machine the evaluation (the GGUF's conversion,
-#               loading, decoding up to the 420 s budget, the teacher-forced check) did not finish
-#               in a 500 s call (session 13, no result)
+#               bench/smollm2_carry.sh` makes .carry/d1, .carry/d2, ... from a train call's returned
+#               parts, as many per folder as one call carries, the last folder with config.json and
+#               sha256): `eyas evaluate` of the parts, stashed (`STASH=.carry/dN ... stash` each) or
+#               carried with this call (.carry/dN), joined in name order into model.safetensors
+#               (checked against the sha256) beside config.json (the speculators export's), with
+#               keep's evaluate overrides; the GGUF joins from the stashed second half when .carry/p2
+#               is not carried. Give it the call's whole 600 s: on a fresh machine the evaluation (the
+#               GGUF's conversion, loading, decoding up to the 420 s budget, the teacher-forced check)
+#               did not finish in a 500 s call (session 13, no result)
 #               The same parts start a training from that draft: TRAIN_ARGS="--train.init_from=/root/init"
-#               at keep, then `STASH=.carry/d1 ... stash`, `STASH=.carry/d2 ... stash` (with .carry/p2
-#               .carry/d2 does not fit one call), and the first train call joins them into /root/init
+#               at keep, then `STASH=.carry/dN ... stash` for each folder (with .carry/p2 none fits one
+#               call), and the first train call joins them into /root/init
 #   check       .carry/r2, .carry/cfg (SmolLM2's config + tokenizer, made by smollm2_carry.sh), after `keep`: graph tests,
 #               decoding speed, regenerate/extract/train rates on a random-weight SmolLM2-shaped target
 #   fp32        greedy float32 evaluation of questions $FP32_QUESTIONS (default: those whose bf16
@@ -111,17 +112,18 @@ if [[ $phase == keep ]]; then
         esac
     fi
 fi
-join_draft() {  # DEST: a draft carried up from an earlier lease (.carry/d1 stashed, .carry/d2 stashed or carried)
+join_draft() {  # DEST: a draft carried up from an earlier lease (.carry/dN folders stashed, the last one stashed or carried)
     local dest=$1 p parts=() dup src
     rm -rf "$dest" "$dest.tmp" && mkdir -p "$dest.tmp"  # joined and checked there, then renamed
     # the parts in the order of their names, wherever each lies; one name twice is refused
-    for p in "$KEEP"/draft.part* .carry/d2/draft.part*; do [[ -f $p ]] && parts+=("$p"); done
-    (( ${#parts[@]} )) || { echo "no draft parts: stash .carry/d1, carry .carry/d2 (DRAFT=DIR bash bench/smollm2_carry.sh)" >&2; exit 2; }
+    for p in "$KEEP"/draft.part* .carry/d[0-9]*/draft.part*; do [[ -f $p ]] && parts+=("$p"); done
+    (( ${#parts[@]} )) || { echo "no draft parts: stash each .carry/dN (DRAFT=DIR bash bench/smollm2_carry.sh)" >&2; exit 2; }
     dup=$(printf '%s\n' "${parts[@]##*/}" | sort | uniq -d)
     [[ -z $dup ]] || { echo "draft parts both stashed and carried: $dup" >&2; exit 2; }
     mapfile -t parts < <(printf '%s\n' "${parts[@]}" | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2)
     cat "${parts[@]}" > "$dest.tmp/model.safetensors"
-    src=.carry/d2; [[ -f $src/config.json ]] || src=$KEEP
+    src=$KEEP
+    for p in .carry/d[0-9]*/config.json; do [[ -f $p ]] && src=${p%/config.json}; done
     cp $src/config.json "$dest.tmp/"
     echo "$(cat $src/sha256)  $dest.tmp/model.safetensors" | sha256sum -c
     mv "$dest.tmp" "$dest"
