@@ -128,15 +128,16 @@ join_draft() {  # DEST: a draft carried up from an earlier lease (.carry/dN fold
     echo "$(cat $src/sha256)  $dest.tmp/model.safetensors" | sha256sum -c
     mv "$dest.tmp" "$dest"
 }
-send_draft_parts() {  # $KEEP/draft_back's parts into $OUT, in name order, while the call's files stay under ~60 MB
-    local used part size
+send_draft_parts() {  # $KEEP/draft_back's parts into $OUT, in name order, while the call's files stay 2 MB under 64 MiB
+    local used part size left
+    [[ -d $KEEP/draft_back ]] || { echo "no draft parts on this machine: a train call with DRAFT_BACK=1 makes them" >&2; exit 2; }
     used=$(du -cb "$OUT" | tail -n1 | cut -f1)
-    for part in $(ls $KEEP/draft_back/ 2>/dev/null); do
+    for part in $(ls $KEEP/draft_back/); do
         size=$(stat -c %s "$KEEP/draft_back/$part")
-        (( used + size <= 60000000 )) || break
+        (( used + size <= 67108864 - 2000000 )) || break
         mv "$KEEP/draft_back/$part" "$OUT/" && used=$(( used + size ))
     done
-    left=$(ls $KEEP/draft_back/ 2>/dev/null | wc -l)
+    left=$(ls $KEEP/draft_back/ | wc -l)
     (( left == 0 )) || stamp "draft parts left on the device: $left (bash bench/smollm2_gpu.sh draft_rest returns them)"
 }
 join_gguf() {  # the xz-compressed GGUF's second half travels with this call (or was stashed), its first half with `keep`
@@ -324,19 +325,24 @@ train)
     # (no sglang layout for a multi-layer draft: TRAIN_ARGS has --export.format=speculators then)
     [[ ! -f $RUN/export/sglang/config.json ]] || cp $RUN/export/sglang/config.json /tmp/train_files/export_sglang_config.json
     cp $RUN/export/speculators/config.json /tmp/train_files/export_speculators_config.json
-    tar -C /tmp/train_files -cf "$OUT/train_files.tar" .
     # the exported draft itself (bf16: ~47 MB, 63 MB at intermediate_size 6144, 83 MB with the
     # whole 49,152-token vocabulary as its draft vocabulary) in parts under the 16 MiB a returned
     # file may have, as many as fit this call's 64 MiB (send_draft_parts; `draft_rest` returns the
     # others): `cat draft_model.safetensors.part* > model.safetensors` beside
-    # export_speculators_config.json (as config.json) lets the CPU evaluate the draft later
+    # export_speculators_config.json (as config.json) lets the CPU evaluate the draft later;
+    # draft_parts.txt in the tar (sha256 of the whole and the part count) lets smollm2_carry.sh
+    # check that the parts it joins are this call's, all of them.
     # DRAFT_BACK=0: not this time (a call that also returns regenerated conversations)
+    rm -rf $KEEP/draft_back  # an earlier call's leftover parts are never returned as this one's
     if [[ ${DRAFT_BACK:-1} == 1 ]]; then
-        rm -rf $KEEP/draft_back && mkdir -p $KEEP/draft_back
+        mkdir -p $KEEP/draft_back
         split -b 16000000 -d $RUN/export/speculators/model.safetensors "$KEEP/draft_back/draft_model.safetensors.part"
-        stamp "draft: $(sha256sum $RUN/export/speculators/model.safetensors)"
-        send_draft_parts
+        sum=$(sha256sum $RUN/export/speculators/model.safetensors | cut -d' ' -f1)
+        echo "$sum $(ls $KEEP/draft_back | wc -l)" > /tmp/train_files/draft_parts.txt
+        stamp "draft: sha256 $sum in $(ls $KEEP/draft_back | wc -l) parts"
     fi
+    tar -C /tmp/train_files -cf "$OUT/train_files.tar" .
+    [[ ${DRAFT_BACK:-1} != 1 ]] || send_draft_parts
     ;;
 draft_rest)  # the draft parts a train call could not return within its 64 MiB
     send_draft_parts

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 
-def draft_t2d(draft_dir: str) -> torch.Tensor:
+def draft_t2d(draft_dir: str) -> torch.Tensor | None:
     """t2d of an exported draft or of eyas's own checkpoint; a W == V export (no t2d saved) holds all."""
     from safetensors import safe_open
 

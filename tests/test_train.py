@@ -376,24 +376,31 @@ def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_targe
 
 
 def test_remap_head_copies_shared_tokens_and_fits_the_rest():
-    """A hand-built remap: V 10 target tokens, D 3; the trained draft holds target ids 1 3 4 7 8,
-    the new vocabulary 0 1 3 4 5 7 8 9 (in another order). Shared tokens keep their trained rows;
-    the new ones are the target's rows times the float64 normal-equations solution on the shared."""
+    """A hand-built remap: V 10 target tokens, D 3; the trained draft holds target ids 1 2 3 4 7 8,
+    the new vocabulary 0 1 3 4 5 7 8 9 (in another order, without 2). Shared tokens keep their
+    trained rows; the new ones are the target's rows times the float64 normal-equations solution on
+    the shared tokens only (token 2's row must not enter the fit). A mere reordering copies every row."""
     g = torch.Generator().manual_seed(0)
     lm_head_VD = torch.randn(10, 3, generator=g)
-    src_ids = torch.tensor([1, 3, 4, 7, 8])
-    head_UD = torch.randn(5, 3, generator=g)
+    src_ids = torch.tensor([1, 2, 3, 4, 7, 8])
+    head_UD = torch.randn(6, 3, generator=g)
+    src_d2t = src_ids - torch.arange(6)
     ids = torch.tensor([9, 4, 1, 0, 8, 3, 5, 7])
-    out, counts = build.remap_head(head_UD, src_ids - torch.arange(5), ids - torch.arange(8), lm_head_VD)
+    out, counts = build.remap_head(head_UD, src_d2t, ids - torch.arange(8), lm_head_VD)
     assert counts == {"copied": 5, "new": 3}
     src_row = {int(t): i for i, t in enumerate(src_ids)}
-    X = lm_head_VD.double()[src_ids]
-    M = torch.linalg.solve(X.T @ X, X.T @ head_UD.double())
+    shared = [1, 3, 4, 7, 8]
+    X, Y = lm_head_VD.double()[shared], head_UD.double()[[src_row[t] for t in shared]]
+    M = torch.linalg.solve(X.T @ X, X.T @ Y)
     for w, t in enumerate(ids.tolist()):
         want = head_UD[src_row[t]] if t in src_row else (lm_head_VD.double()[t] @ M).float()
         torch.testing.assert_close(out[w], want, rtol=1e-5, atol=1e-5)
+    perm = torch.tensor([8, 1, 7, 2, 4, 3])
+    out, counts = build.remap_head(head_UD, src_d2t, perm - torch.arange(6), lm_head_VD)
+    assert counts == {"copied": 6, "new": 0}
+    assert torch.equal(out, head_UD[[src_row[t] for t in perm.tolist()]])
     with pytest.raises(ArtifactError, match="share no token"):
-        build.remap_head(head_UD, src_ids - torch.arange(5), torch.tensor([0, 2]) - torch.arange(2), lm_head_VD)
+        build.remap_head(head_UD, src_d2t, torch.tensor([0, 5]) - torch.arange(2), lm_head_VD)
 
 
 def test_offline_equals_online_for_one_step(tmp_path, smol_prep, tiny_target):

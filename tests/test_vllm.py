@@ -145,8 +145,9 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     halved_outputs, halved_stats = chain_eval(target, load_exported(halved["speculators"], embed_VD).eval(), prompts)
 
     # a draft fitted over the whole vocabulary (W == V, as --prepare.draft_vocab_size=49152 makes),
-    # then its rows put in a shuffled draft order (an exact re-indexing: prepare orders the draft
-    # vocabulary by frequency): the export drops d2t (rows in target order), vLLM maps nothing
+    # then its rows put in a shuffled draft order (an exact re-indexing; prepare's own d2t is then
+    # all zeros, so the shuffle is there to test the export's reordering): the export drops d2t
+    # (rows in target order), vLLM maps nothing
     v = tcfg.vocab_size
     full = fitted_draft(target, seqs, aux_layer_ids=AUX, draft_vocab=v)
     perm = torch.randperm(v, generator=torch.Generator().manual_seed(2))
@@ -155,6 +156,7 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
         full.d2t.copy_((torch.arange(v) + full.d2t)[perm] - torch.arange(v))
     full_vocab = export_draft(full, work / "full_vocab", formats=("speculators",), **verifier, num_speculative_tokens=K)
     full_outputs, full_stats = chain_eval(target, load_exported(full_vocab["speculators"], embed_VD).eval(), prompts)
+    full_in_memory = chain_eval(target, full.eval(), prompts)[1]  # before the export's reordering
 
     # the draft of eyas's own stages (CLI), trained on the target's answers to the same prompts;
     # eyas measures the speculators read-back, vLLM serves both layouts (a cross-check of the two)
@@ -199,6 +201,7 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
         "eyas_stats": {"fitted": fitted_stats, "trained": trained_stats, "fitted_2layer": two_stats,
                        "fitted_2layer_halved": halved_stats, "fitted_full": full_stats},
         "token": token,
+        "full_in_memory": full_in_memory,
     }
 
 
@@ -265,6 +268,13 @@ def test_vllm_control_mis_served_draft_fails_the_tau_check(served, control):
     else:
         assert run["inspect"]["residual_norm"] == "_norm_before_residual"
     assert abs(tau(run["spec"]) - served["eyas_stats"]["fitted"].tau) > TAU_TOL, run["spec"]
+
+
+def test_the_whole_vocabulary_export_proposes_what_the_draft_did(served):
+    """The W == V export puts the shuffled lm_head rows in target order and drops d2t: read back, the
+    draft must accept exactly what the in-memory one did, pass for pass."""
+    got, want = served["eyas_stats"]["fitted_full"], served["full_in_memory"]
+    assert got.accept_counts == want.accept_counts and got.verify_passes == want.verify_passes
 
 
 def test_the_second_draft_layer_sets_the_halved_copys_tau(served):

@@ -155,8 +155,9 @@ class TrainConfig:
     larger one or the whole target vocabulary: each lm_head row of a token both vocabularies hold is
     copied, and each other row is the target's lm_head row of that token through the least-squares
     linear map that takes the target's rows to the trained draft's on the shared tokens (a start
-    that ranks a new token as the target's own head would, in the draft's space). Train prints and
-    meta.json's inputs.init_from record how many rows were copied and how many are new."""
+    that ranks a new token as the target's own head would, in the draft's space). When the
+    vocabularies differ, train prints and meta.json's inputs.init_from.vocab records how many rows
+    were copied and how many are new (the same vocabulary is a plain copy, as with same)."""
     resume: str = ""
     """auto: continue from the latest checkpoint in OUT_DIR/checkpoints if there is one; a
     checkpoint directory: continue from it; empty: start fresh (an existing run is an error)."""

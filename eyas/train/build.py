@@ -226,7 +226,8 @@ def init_weights(
     with torch.no_grad():
         for name, p in draft.named_parameters():
             if name == "lm_head.weight" and not same_vocab:
-                assert lm_head_VD is not None, "remapping the draft vocabulary needs the target's lm_head"
+                if lm_head_VD is None:
+                    raise ValueError("init_weights(remap=True) on another vocabulary needs the target's lm_head_VD")
                 head, record["vocab"] = remap_head(trained[name], src.d2t, d2t, lm_head_VD)
                 p.copy_(head)
             else:
@@ -250,13 +251,13 @@ def remap_head(
     n_shared = int(shared_W.sum())
     if n_shared == 0:
         raise ArtifactError("train.init_vocab=remap: the two draft vocabularies share no token")
-    trained_UD = head_UD.detach().float().cpu()
-    target_VD = lm_head_VD.detach().float().cpu()
+    trained_UD = head_UD.detach().cpu().float()
+    target_WD = lm_head_VD.detach()[ids_W.to(lm_head_VD.device)].cpu().float()  # only the W rows leave the device
     out_WD = torch.empty(ids_W.numel(), trained_UD.shape[1])
     out_WD[shared_W] = trained_UD[row_W[shared_W]]
     if n_shared < ids_W.numel():
-        fit_DD = torch.linalg.lstsq(target_VD[ids_W[shared_W]], trained_UD[row_W[shared_W]], driver="gelsd").solution
-        out_WD[~shared_W] = target_VD[ids_W[~shared_W]] @ fit_DD
+        fit_DD = torch.linalg.lstsq(target_WD[shared_W], trained_UD[row_W[shared_W]], driver="gelsd").solution
+        out_WD[~shared_W] = target_WD[~shared_W] @ fit_DD
     return out_WD, {"copied": n_shared, "new": ids_W.numel() - n_shared}
 
 
