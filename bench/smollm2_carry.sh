@@ -55,22 +55,23 @@ PY
 # what travels with every call: tracked files and untracked ones git does not ignore
 tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 -r stat -c %s -- 2>/dev/null \
     | awk '{s += $1} END {print s + 0}')
+# what one call may carry: 64 MiB less 1 MB (the device refused a call this script counted at 67.0 MB)
+CALL_BYTES=$(( 67108864 - 1000000 ))
 if [[ -n ${DRAFT:-} ]]; then
     # the parts in name order into d1, d2, ...: each folder as many as fit one call beside the
-    # working tree with 2 MB to spare (the device counted a 67.0 MB d1 call over its 64 MiB);
-    # the last folder also holds config.json and the joined weights' sha256
+    # working tree; the last folder also holds config.json and the joined weights' sha256
     rm -rf $C/d[0-9]* && mkdir -p $C/d1
     mapfile -t dparts < <(ls "$DRAFT"/draft_model.safetensors.part* 2>/dev/null | sort)
     (( ${#dparts[@]} )) || { echo "no draft_model.safetensors.part* in DRAFT=$DRAFT" >&2; exit 2; }
     # a train call's tar names the whole draft's sha256 and part count (draft_parts.txt, session 20 on):
     # parts of two calls, or a draft_rest not fetched, are refused here instead of loading later
+    have=$(cat "${dparts[@]}" | sha256sum | cut -d' ' -f1)
     if tar tf "$DRAFT/train_files.tar" ./draft_parts.txt > /dev/null 2>&1; then
         read -r want nwant < <(tar xOf "$DRAFT/train_files.tar" ./draft_parts.txt)
-        have=$(cat "${dparts[@]}" | sha256sum | cut -d' ' -f1)
         [[ $have == "$want" && ${#dparts[@]} == "$nwant" ]] || {
             echo "DRAFT=$DRAFT: ${#dparts[@]} parts, sha256 $have; its train_files.tar names $nwant parts, $want" >&2; exit 2; }
     fi
-    room=$(( 67108864 - tree - 2000000 )) i=1 used=0
+    room=$(( CALL_BYTES - tree )) i=1 used=0
     for p in "${dparts[@]}"; do
         n=$(stat -c %s "$p")
         if (( used > 0 && used + n > room )); then i=$(( i + 1 )) used=0; mkdir -p $C/d$i; fi
@@ -78,7 +79,7 @@ if [[ -n ${DRAFT:-} ]]; then
         used=$(( used + n ))
     done
     tar xOf "$DRAFT/train_files.tar" ./export_speculators_config.json > $C/d$i/config.json
-    cat "${dparts[@]}" | sha256sum | cut -d' ' -f1 > $C/d$i/sha256
+    echo "$have" > $C/d$i/sha256
 fi
 smol=$($PY -c "from eyas import assets; print(assets.smollm2_dir())")
 cp "$smol"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} $C/cfg/smolcfg/
@@ -87,9 +88,8 @@ size() { du -cb "$@" | tail -1 | cut -f1; }
 over=0
 call() {  # NAME FOLDER...: the call's bytes with the working tree
     local n=$(( tree + $(size "${@:2}") ))
-    awk -v name="$1" -v n=$n 'BEGIN {printf "  %-34s %6.1f MB of 66.1\n", name, n / 1e6}'
-    # 1 MB under the 64 MiB a call carries: the device refused a call this script counted at 67.0 MB
-    (( n <= 67108864 - 1000000 )) || { echo "    over the 64 MiB a call carries, less 1 MB" >&2; over=1; }
+    awk -v name="$1" -v n=$n -v max=$CALL_BYTES 'BEGIN {printf "  %-34s %6.1f MB of %.1f\n", name, n / 1e6, max / 1e6}'
+    (( n <= CALL_BYTES )) || { echo "    over what a call carries" >&2; over=1; }
 }
 awk -v n=$tree 'BEGIN {printf "per call (the working tree: %.1f MB):\n", n / 1e6}'
 call "keep (p1)" $C/p1

@@ -337,9 +337,9 @@ train)
     if [[ ${DRAFT_BACK:-1} == 1 ]]; then
         mkdir -p $KEEP/draft_back
         split -b 16000000 -d $RUN/export/speculators/model.safetensors "$KEEP/draft_back/draft_model.safetensors.part"
-        sum=$(sha256sum $RUN/export/speculators/model.safetensors | cut -d' ' -f1)
-        echo "$sum $(ls $KEEP/draft_back | wc -l)" > /tmp/train_files/draft_parts.txt
-        stamp "draft: sha256 $sum in $(ls $KEEP/draft_back | wc -l) parts"
+        echo "$(sha256sum $RUN/export/speculators/model.safetensors | cut -d' ' -f1) $(ls $KEEP/draft_back | wc -l)" \
+            > /tmp/train_files/draft_parts.txt
+        stamp "draft: sha256 and parts $(cat /tmp/train_files/draft_parts.txt)"
     fi
     tar -C /tmp/train_files -cf "$OUT/train_files.tar" .
     [[ ${DRAFT_BACK:-1} != 1 ]] || send_draft_parts
