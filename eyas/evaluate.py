@@ -118,6 +118,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def default_draft_dir(cfg: EyasConfig) -> Path:
+    """evaluate.draft's default: the trained checkpoint, or the export when export.average_with
+    makes the exported draft another one (the mean of several): evaluate what is served."""
+    if cfg.export.average_with:
+        return cfg.stage_dir("export")  # resolve_draft_dir picks a layout inside it
+    return Path(cfg.run_dir) / "train" / "final"
+
+
 def resolve_draft_dir(draft_dir: Path) -> Path:
     """eyas's checkpoint or one exported layout; `eyas export`'s output root -> a layout inside it."""
     from eyas.draft import DRAFT_CONFIG
@@ -292,7 +300,7 @@ def target_placement(cfg: EyasConfig):
 
 def load_setup(cfg: EyasConfig) -> Setup:
     ec = cfg.evaluate
-    draft_dir = resolve_draft_dir(Path(ec.draft) if ec.draft else Path(cfg.run_dir) / "train" / "final")
+    draft_dir = resolve_draft_dir(Path(ec.draft) if ec.draft else default_draft_dir(cfg))
     device, target_cfg, dtype = target_placement(cfg)
     tok = load_tokenizer(target_cfg)
     # sdpa: tree verification passes a custom 4-D mask, which flash-attention kernels do not take

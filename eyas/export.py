@@ -564,6 +564,7 @@ def main(cfg) -> int:
     # a draft trained online read no extract output: one left in RUN_DIR by an earlier run is not its data
     extract_dir = None if online and not e.extract_dir else stage_dir_for(e.extract_dir, train_meta, "extract", run)
     notes = check_against_stages(c, model.d2t, model.t2d, train_meta, prepare_dir, extract_dir, tcfg, cfg.target.model)
+    averaged = average_with(model, e.average_with)
     out = cfg.stage_dir("export")
     out.mkdir(parents=True, exist_ok=True)
     (out / "meta.json").unlink(missing_ok=True)
@@ -587,7 +588,7 @@ def main(cfg) -> int:
         config=to_dict(cfg),
         target=describe_target(cfg.target),
         inputs={"checkpoint": str(ckpt), "draft_config_sha256": hash_json(c.to_dict()),
-                "train_meta_sha256": hash_json(train_meta) if train_meta else None},
+                "train_meta_sha256": hash_json(train_meta) if train_meta else None, "average_with": averaged},
         formats={fmt: str(p) for fmt, p in written.items()},
         dtype=e.dtype,
         aux_layer_ids={"eyas_hf_index": c.aux_layer_ids, "vllm": vllm_aux_ids(c.aux_layer_ids),
@@ -598,4 +599,21 @@ def main(cfg) -> int:
         print(f"[eyas:export] {fmt:12s} -> {p}")
     for n in notes:
         print(f"[eyas:export] {n}")
+    for a in averaged:
+        print(f"[eyas:export] averaged with {a['dir']} (sha256 {a['weights_sha256'][:12]}; "
+              f"{a['lm_head_rows_shared']:,} of {c.draft_vocab_size:,} lm_head rows shared)")
     return 0
+
+
+def average_with(model: Eagle3Draft, dirs: list[str]) -> list[dict[str, Any]]:
+    """export.average_with: `model` averaged in place with the exported drafts in `dirs`; what was
+    averaged (directory, weights sha256, lm_head rows shared) for meta.json."""
+    from eyas.assets import sha256_file
+    from eyas.average import average_drafts
+
+    if not dirs:
+        return []
+    others = [load_exported(d) for d in dirs]
+    shared = average_drafts(model, others, dirs)
+    return [{"dir": str(Path(d).resolve()), "weights_sha256": sha256_file(Path(d) / WEIGHTS), **s}
+            for d, s in zip(dirs, shared, strict=True)]

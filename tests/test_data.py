@@ -13,7 +13,8 @@ DATA = Path(__file__).parent.parent / "data"
 @pytest.mark.parametrize("name,count,self_prefix", [("smollm2-sharegpt-regenerated.jsonl.xz", 16813, None),
                                                     ("smollm2-self-written-regenerated.jsonl.xz", 7436, "self-"),
                                                     ("smollm2-self-written-seed1-regenerated.jsonl.xz", 14866, "self1-"),
-                                                    ("smollm2-self-written-seed2-regenerated.jsonl.xz", 11157, "self2-")])
+                                                    ("smollm2-self-written-seed2-regenerated.jsonl.xz", 11157, "self2-"),
+                                                    ("smollm2-self-written-seed3-regenerated.jsonl.xz", 29697, "self3-")])
 def test_committed_regenerated_data_is_what_data_readme_says(name, count, self_prefix):
     """The sha256 and the count in the file's data/README.md section, distinct ids, every
     assistant turn non-empty with a finish reason; the self-written ones single-turn, with ids
@@ -37,7 +38,7 @@ def test_committed_regenerated_data_is_what_data_readme_says(name, count, self_p
 
 
 def test_committed_regenerated_files_share_no_id():
-    """bench/smollm2_gpu.sh trains on the four files together (SELF=3): an id in two of them would
+    """bench/smollm2_gpu.sh trains on the five files together (SELF=4): an id in two of them would
     put two conversations in one held-out group and name two samples alike in errors."""
     seen: dict[str, str] = {}
     for path in sorted(DATA.glob("*.jsonl.xz")):
@@ -45,4 +46,4 @@ def test_committed_regenerated_files_share_no_id():
             i = json.loads(line)["id"]
             assert i not in seen, f"{i} is in both {seen[i]} and {path.name}"
             seen[i] = path.name
-    assert len(seen) == 16813 + 7436 + 14866 + 11157
+    assert len(seen) == 16813 + 7436 + 14866 + 11157 + 29697

@@ -45,6 +45,18 @@ def test_cli_short_flags_reach_the_evaluate_section():
     assert (cfg.evaluate.draft, cfg.evaluate.mode, cfg.evaluate.bench) == ("d", "tree", "q.jsonl")
 
 
+def test_the_default_draft_is_the_averaged_export_when_export_averages(tmp_path):
+    """With export.average_with the served draft is the mean, not train's checkpoint: evaluate's
+    default follows it."""
+    from eyas.evaluate import default_draft_dir
+
+    assert default_draft_dir(load_config(None, [f"--run_dir={tmp_path}"])) == tmp_path / "train" / "final"
+    averaged = load_config(None, [f"--run_dir={tmp_path}", "--export.average_with=[/drafts/a/speculators]"])
+    assert default_draft_dir(averaged) == tmp_path / "export"
+    out = load_config(None, [f"--run_dir={tmp_path}", "--export.average_with=[/a]", f"--export.out_dir={tmp_path / 'x'}"])
+    assert default_draft_dir(out) == tmp_path / "x"
+
+
 def test_load_bench_mtbench_and_jsonl(tmp_path):
     mt = load_bench("mtbench")
     assert len(mt) == 80 and all(len(q["turns"]) == 2 for q in mt)

@@ -395,6 +395,74 @@ def test_cli_export_writes_both_layouts_and_refuses_a_mismatch(tcfg, prepared, t
     assert "re-run `eyas train`" in capsys.readouterr().err
 
 
+def test_export_averages_drafts_by_target_token(tcfg, prepared, tmp_path, capsys):
+    """--export.average_with: every tensor becomes the mean of the trained draft (W = 64) and the
+    others; each lm_head row (one target token) the mean over the drafts whose vocabulary holds that
+    token, checked row by row against a naive loop over the other drafts' rows as read back. The
+    others: a whole-vocabulary draft in bf16 (its file has no d2t: rows in target order) and a
+    W = 512 draft sharing 20 of the trained draft's tokens; averaged with the second alone, the 44
+    rows it lacks stay the trained draft's. The result keeps the trained draft's vocabulary;
+    meta.json names what was averaged; another architecture is refused."""
+    import numpy as np
+
+    from eyas.cli import main as cli
+    from eyas.vocab import d2t_t2d
+
+    run = prepared.parent
+    trained = prepared_draft(tcfg, prepared)
+    save_draft(trained, tmp_path / "train" / "final")
+    whole = random_draft(tcfg, draft_vocab=tcfg.vocab_size, seed=1)
+    whole.set_vocab(*d2t_t2d(np.random.default_rng(1).permutation(tcfg.vocab_size), tcfg.vocab_size))
+    export(whole, tmp_path / "whole", formats=("speculators",), dtype="bfloat16")
+    assert "d2t" not in load_file(str(tmp_path / "whole" / "speculators" / "model.safetensors"))
+    part = random_draft(tcfg, draft_vocab=512, seed=2)
+    mine = (torch.arange(64) + trained.d2t).numpy()
+    rest = np.setdiff1d(np.arange(tcfg.vocab_size), mine)
+    part.set_vocab(*d2t_t2d(np.sort(np.concatenate([mine[::3][:20], np.random.default_rng(2).choice(rest, 492, replace=False)])),
+                            tcfg.vocab_size))
+    export(part, tmp_path / "part", formats=("speculators",), dtype="float32")
+
+    def averaged(names):
+        out = tmp_path / "-".join(names)
+        dirs = ",".join(str(tmp_path / n / "speculators") for n in names)
+        args = [f"--run_dir={run}", f"--out_dir={out}", "--format", "speculators", "--dtype", "float32"]
+        assert cli(["export", str(tmp_path / "train"), *args, f"--average_with=[{dirs}]"]) == 0, capsys.readouterr().err
+        return load_exported(out / "speculators"), json.loads((out / "meta.json").read_text())
+
+    def check(got, others):
+        assert torch.equal(got.d2t, trained.d2t) and torch.equal(got.t2d, trained.t2d)
+        sds = [trained.state_dict()] + [o.state_dict() for o in others]
+        for k in sds[0]:
+            if k not in ("d2t", "t2d", "lm_head.weight"):
+                torch.testing.assert_close(got.state_dict()[k], sum(sd[k].float() for sd in sds) / len(sds), rtol=0, atol=1e-6)
+        counts = []
+        row_of = [{j + int(t): j for j, t in enumerate(o.d2t.tolist())} for o in others]  # target token -> row
+        for r in range(64):
+            token = r + int(trained.d2t[r])
+            rows = [trained.lm_head.weight[r]] + [o.lm_head.weight[index[token]].float()
+                                                  for o, index in zip(others, row_of) if token in index]
+            counts.append(len(rows))
+            torch.testing.assert_close(got.lm_head.weight[r], torch.stack(rows).mean(0), rtol=0, atol=1e-6)
+        return counts
+
+    read = {n: load_exported(tmp_path / n / "speculators") for n in ("whole", "part")}  # bf16-rounded as averaged
+    got, meta = averaged(["whole", "part"])
+    counts = check(got, [read["whole"], read["part"]])
+    assert counts.count(3) == 20 and counts.count(2) == 44
+    assert [a["lm_head_rows_shared"] for a in meta["inputs"]["average_with"]] == [64, 20]
+    assert all(len(a["weights_sha256"]) == 64 for a in meta["inputs"]["average_with"])
+    got, _ = averaged(["part"])
+    assert check(got, [read["part"]]).count(1) == 44
+    lacking = [r for r in range(64) if r % 3 or r >= 60]
+    assert torch.equal(got.lm_head.weight[lacking], trained.lm_head.weight[lacking])
+    # another architecture: refused with the field that differs
+    export(random_draft(tcfg, draft_vocab=64, intermediate_size=256), tmp_path / "wide", formats=("speculators",))
+    capsys.readouterr()
+    args = [f"--run_dir={run}", f"--out_dir={tmp_path / 'x'}", f"--average_with=[{tmp_path / 'wide' / 'speculators'}]"]
+    assert cli(["export", str(tmp_path / "train"), *args]) == 2
+    assert "intermediate_size 256" in capsys.readouterr().err
+
+
 # --- multi-layer drafts (vLLM only) --------------------------------------------------------------------
 
 

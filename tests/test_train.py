@@ -538,9 +538,14 @@ def test_align_norm_divides_each_step_by_its_valid_or_its_kept_rows(tmp_path, sm
     torch.testing.assert_close(out["grad_norm"], want.float(), rtol=1e-4, atol=1e-6)
 
 
-def test_online_states_of_right_padded_rows_equal_plain_forwards(smol_prep, tiny_target):
+@pytest.mark.parametrize("overhead, forwards", [(0, 6), (40, 3), (10**9, 1)])
+def test_online_states_of_right_padded_rows_equal_plain_forwards(smol_prep, tiny_target, overhead, forwards):
     """OnlineStates runs samples of different lengths as right-padded rows without an attention
-    mask; each sample's states must equal a plain output_hidden_states forward of it alone."""
+    mask, in groups of similar length: six prefixes of 128, 30, 97, 12, 64 and 101 tokens go
+    through the target one per forward (overhead 0), as {128} {101, 97, 64} {30, 12} (40 tokens
+    per extra forward: padded rows inside groups) or all in one. Each sample's states must equal a
+    plain output_hidden_states forward of it alone (a prefix's states are the prefix of the whole
+    sample's: attention is causal), and the packed row's tail up to pad_multiple stays zero."""
     from transformers import AutoModelForCausalLM
 
     from eyas.prepared import Prepared
@@ -548,16 +553,39 @@ def test_online_states_of_right_padded_rows_equal_plain_forwards(smol_prep, tiny
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
     prep = Prepared(smol_prep)
-    ref = InMemoryStates(prep, model, [1, 2, 3], max_samples=4)
-    samples = [prep[i] for i in range(4)]
-    assert len({int(x["input_ids"].numel()) for x in samples}) > 1  # rows of different lengths: padding
-    batch = OnlineStates(model, [1, 2, 3], "cpu")(pack(samples, 3, max_tokens=4096))
+    ref = InMemoryStates(prep, model, [1, 2, 3], max_samples=6)
+    cuts = [128, 30, 97, 12, 64, 101]
+    samples = [{k: (v[:n] if isinstance(v, torch.Tensor) else v) for k, v in prep[i].items()} for i, n in enumerate(cuts)]
+    assert [int(x["input_ids"].numel()) for x in samples] == cuts
+    states = OnlineStates(model, [1, 2, 3], "cpu", group_overhead_tokens=overhead, group_quantum=1)
+    batch = states(pack(samples, 3, max_tokens=8192, pad_multiple=64))
+    assert states.num_forwards == forwards
+    assert batch.input_ids_BS.shape[1] == 448  # 432 tokens, padded up to a multiple of 64
     start = 0
-    for smp in ref.samples:
-        n = smp["input_ids"].numel()
-        torch.testing.assert_close(batch.aux_BSKD[0, start : start + n], smp["aux"], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(batch.final_BSD[0, start : start + n], smp["final"], rtol=1e-5, atol=1e-5)
+    for smp, n in zip(ref.samples, cuts):
+        torch.testing.assert_close(batch.aux_BSKD[0, start : start + n], smp["aux"][:n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(batch.final_BSD[0, start : start + n], smp["final"][:n], rtol=1e-5, atol=1e-5)
         start += n
+    assert not batch.aux_BSKD[0, start:].any() and not batch.final_BSD[0, start:].any()
+
+
+def test_row_groups_trade_padding_against_forwards():
+    """Hand-counted: lengths 2000, 100, 90, 1900, 80 at 2,048 tokens per extra forward. One group
+    costs 5 x 2000 + 2048 = 12,048; {2000, 1900} {100, 90, 80} 2 x 2000 + 3 x 100 + 2 x 2048 =
+    8,396; three groups {2000} {1900} {...} 2000 + 1900 + 300 + 3 x 2048 = 10,344: two it is.
+    Without overhead every 64-token bucket is its own group; with a huge one, a single group."""
+    from eyas.train.data import row_groups
+
+    lengths = [2000, 100, 90, 1900, 80]
+    assert row_groups(lengths, 2048) == [[0, 3], [1, 2, 4]]
+    assert row_groups(lengths, 0) == [[0], [3], [1, 2, 4]]  # 100, 90 and 80 share the bucket (64, 128]
+    assert row_groups(lengths, 0, quantum=1) == [[0], [3], [1], [2], [4]]
+    assert row_groups(lengths, 10**9) == [[0, 3, 1, 2, 4]]
+    assert row_groups([], 2048) == []
+    many = [(7 * k) % 500 + 1 for k in range(3000)]  # thousands of samples: buckets bound the search
+    groups = row_groups(many, 2048)
+    assert sorted(j for g in groups for j in g) == list(range(3000))
+    assert all(many[g[0]] == max(many[j] for j in g) for g in groups)
 
 
 def test_accumulated_window_equals_one_packed_row(tmp_path, smol_prep, tiny_target):

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eyas.config.base import require
 
@@ -30,6 +30,11 @@ class ExportConfig:
     extract_dir: str = ""
     """Extract output the draft was trained on, checked against the draft's aux layer ids and target;
     empty = RUN_DIR/extract (skipped with a note when absent)."""
+    average_with: list[str] = field(default_factory=list)
+    """Exported drafts (either layout, e.g. earlier runs' OUT/speculators) to average the trained
+    draft with: every tensor the mean over all of them, lm_head rows matched by target token
+    (eyas/average.py). Same architecture required; the draft vocabulary may differ. Empty = none.
+    When set, evaluate's default draft is this export, not RUN_DIR/train/final."""
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/export."""
 
@@ -38,6 +43,7 @@ class ExportConfig:
         require(
             self.dtype in EXPORT_DTYPES, f"export.dtype={self.dtype!r}: choose one of {', '.join(EXPORT_DTYPES)}"
         )
+        require(all(d.strip() for d in self.average_with), f"export.average_with={self.average_with} has an empty entry")
         require(bool(self.checkpoint), "export.checkpoint is empty: name the checkpoint subdirectory (e.g. final)")
         require(
             1 <= self.num_speculative_tokens <= 64,

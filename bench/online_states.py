@@ -1,0 +1,88 @@
+"""Online training's target forward per packed batch (`OnlineStates`), its rows all padded to the
+longest (one forward, as before session 21) against grouped by length (`row_groups`), on a
+random-weight target of the given config and batches packed as training packs them from real
+conversations (the regenerated data/ files, tokenized with the target's chat template):
+
+    python3 bench/online_states.py .carry/cfg/smolcfg data/smollm2-*.jsonl.xz --out $OUT/online_states.json
+
+Prints and writes, per group overhead: milliseconds per batch, real tokens/s, forwards per batch
+and padded/real tokens. Random weights: the forward's cost does not depend on their values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import random
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from eyas.train.data import OnlineStates, pack, pack_plan, row_groups
+
+
+def sample_ids(tok, files: list[str], per_file: int, max_length: int, seed: int) -> list[torch.Tensor]:
+    rng = random.Random(seed)
+    out = []
+    for f in files:
+        with lzma.open(f, "rt", encoding="utf-8") as fh:
+            recs = [json.loads(line) for line in fh]
+        for r in rng.sample(recs, min(per_file, len(recs))):
+            text = tok.apply_chat_template(r["messages"], tokenize=False)
+            out.append(torch.tensor(tok(text, add_special_tokens=False).input_ids[:max_length]))
+    rng.shuffle(out)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config_dir", help="the target's config.json and tokenizer (no weights needed)")
+    ap.add_argument("data", nargs="+", help="conversation files (.jsonl.xz, OpenAI messages)")
+    ap.add_argument("--per-file", type=int, default=2000)
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--max-tokens", type=int, default=16384)
+    ap.add_argument("--batches", type=int, default=40)
+    ap.add_argument("--overheads", default="1000000000,2048,512", help="group_overhead_tokens to compare")
+    ap.add_argument("--layers", default="2,15,27")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tok = AutoTokenizer.from_pretrained(args.config_dir)
+    config = AutoConfig.from_pretrained(args.config_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
+    ids = sample_ids(tok, args.data, args.per_file, args.max_length, seed=0)
+    lengths = [int(x.numel()) for x in ids]
+    plans = pack_plan(list(range(len(ids))), lengths, args.max_tokens)[: args.batches]
+    smp = lambda i: dict(input_ids=ids[i], loss_mask=torch.ones_like(ids[i]), id=str(i), index=i)  # noqa: E731
+    batches = [pack([smp(i) for i in plan], 7, args.max_tokens) for plan in plans]
+    real = sum(sum(b.lengths) for b in batches)
+    layer_ids = [int(x) for x in args.layers.split(",")]
+    rows = []
+    for overhead in [int(x) for x in args.overheads.split(",")]:
+        states = OnlineStates(model, layer_ids, device, group_overhead_tokens=overhead)
+        for b in batches[:3]:  # warm-up: kernels, allocator
+            states(b)
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        n0, t0 = states.num_forwards, time.perf_counter()
+        for b in batches:
+            states(b)
+        torch.cuda.synchronize() if device.type == "cuda" else None
+        seconds = time.perf_counter() - t0
+        padded = sum(len(g) * b.lengths[g[0]] for b in batches for g in row_groups(b.lengths, overhead))
+        rows.append(dict(group_overhead_tokens=overhead, ms_per_batch=1e3 * seconds / len(batches),
+                         real_tokens_per_s=real / seconds, forwards_per_batch=(states.num_forwards - n0) / len(batches),
+                         padded_over_real=padded / real))
+        print(json.dumps(rows[-1]), flush=True)
+    result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
+                  batches=len(batches), samples_per_batch=sum(len(b.lengths) for b in batches) / len(batches),
+                  real_tokens=real, max_tokens=args.max_tokens, rows=rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
