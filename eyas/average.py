@@ -20,22 +20,14 @@ from typing import Any
 
 import torch
 
-from eyas.draft import Eagle3Draft
+from eyas.draft import SHAPE_FIELDS, Eagle3Draft
 from eyas.errors import ArtifactError
+from eyas.vocab import draft_rows, draft_to_target
 
-# DraftConfig fields every averaged draft must share (the draft vocabulary may differ)
-SAME_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-               "target_hidden_size", "num_aux_layers", "vocab_size", "aux_layer_ids", "num_layers",
-               "norm_before_residual", "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling",
-               "max_position_embeddings")
+# what every averaged draft must share: the shape, whatever the vocabulary, and what the layer computes
+SAME_FIELDS = tuple(f for f in SHAPE_FIELDS if f != "draft_vocab_size") + (
+    "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings")
 NOT_AVERAGED = ("d2t", "t2d", "embed_weight", "lm_head.weight")
-
-
-def target_rows(d2t_W: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[V] -> the draft row holding each target token, -1 where the draft vocabulary lacks it."""
-    rows_V = torch.full((vocab_size,), -1, dtype=torch.long)
-    rows_V[torch.arange(d2t_W.numel()) + d2t_W] = torch.arange(d2t_W.numel())
-    return rows_V
 
 
 def float_state(model: Eagle3Draft) -> dict[str, torch.Tensor]:
@@ -54,7 +46,7 @@ def average_drafts(model: Eagle3Draft, others: list[Eagle3Draft], names: list[st
             raise ArtifactError(f"export.average_with: {name} is not the same draft architecture: {'; '.join(diff)}")
     sd = float_state(model)
     sums = {k: v.clone() for k, v in sd.items() if k not in NOT_AVERAGED}
-    token_of_row_W = torch.arange(c.draft_vocab_size) + sd["d2t"]
+    token_of_row_W = draft_to_target(torch.arange(c.draft_vocab_size), sd["d2t"])
     head_sum_WD = sd["lm_head.weight"].clone()
     count_W = torch.ones(c.draft_vocab_size)
     shared = []
@@ -62,7 +54,7 @@ def average_drafts(model: Eagle3Draft, others: list[Eagle3Draft], names: list[st
         osd = float_state(other)
         for k in sums:
             sums[k] += osd[k]
-        rows_W = target_rows(osd["d2t"], c.vocab_size)[token_of_row_W]
+        rows_W = draft_rows(osd["d2t"], c.vocab_size)[token_of_row_W]
         have_W = rows_W >= 0
         head_sum_WD[have_W] += osd["lm_head.weight"][rows_W[have_W]]
         count_W += have_W.float()

@@ -42,6 +42,13 @@ import torch.nn.functional as F
 from torch import nn
 
 
+SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                "num_layers", "target_hidden_size", "num_aux_layers", "aux_layer_ids", "draft_vocab_size",
+                "vocab_size", "norm_before_residual")
+"""DraftConfig fields two drafts must share to carry weights from one to the other: --train.init_from
+(with the vocabulary, unless remapped) and --export.average_with (whatever the vocabulary)."""
+
+
 @dataclass
 class DraftConfig:
     hidden_size: int

@@ -40,6 +40,15 @@ def draft_to_target(draft_ids: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
     return draft_ids + d2t[draft_ids]
 
 
+def draft_rows(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[V]: the draft id (lm_head row) of each target id, -1 outside the draft vocab. From d2t, so
+    it also holds for a W == V draft whose rows are a permutation (target_to_draft assumes draft
+    ids ascend in target order, as prepare makes them)."""
+    rows = torch.full((vocab_size,), -1, dtype=torch.long)
+    rows[draft_to_target(torch.arange(d2t.numel()), d2t)] = torch.arange(d2t.numel())
+    return rows
+
+
 def target_to_draft(target_ids: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     """Draft id of each target id, -1 where the target id is outside the draft vocab."""
     rank = torch.cumsum(t2d.to(torch.int64), 0) - 1

@@ -209,6 +209,9 @@ def test_vocab_hand_computed():
     d2t, t2d = vocab.d2t_t2d(sel, 8)
     assert d2t.tolist() == [2, 4, 5]  # target = draft + d2t[draft]: 0->2, 1->5, 2->7
     assert t2d.tolist() == [False, False, True, False, False, True, False, True]
+    assert vocab.draft_rows(d2t, 8).tolist() == [-1, -1, 0, -1, -1, 1, -1, 2]
+    # a W == V draft whose rows are a permutation: draft 0 holds target 3, 1 -> 0, 2 -> 2, 3 -> 1
+    assert vocab.draft_rows(torch.tensor([3, -1, 0, -2]), 4).tolist() == [1, 3, 2, 0]
     assert vocab.coverage(counts, sel) == pytest.approx(7 / 8)
     # ties broken by id: k=2 takes 5 and then 2 (not 7)
     assert vocab.select_draft_tokens(counts, 2).tolist() == [2, 5]

@@ -15,7 +15,7 @@ import torch
 from eyas import vocab
 from eyas.artifacts import hash_json
 from eyas.config import EyasConfig
-from eyas.draft import DraftConfig, Eagle3Draft, init_flex_attention
+from eyas.draft import SHAPE_FIELDS, DraftConfig, Eagle3Draft, init_flex_attention
 from eyas.errors import ArtifactError, ConfigError
 from eyas.train.data import OnlineStates, split_groups, split_indices
 from eyas.train.loop import Teacher, Trainer, lr_lambda
@@ -172,12 +172,6 @@ def flex_row_length(max_tokens: int) -> int:
     return -(-max_tokens // 128) * 128
 
 
-SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-                "num_layers", "target_hidden_size", "num_aux_layers", "aux_layer_ids", "draft_vocab_size",
-                "vocab_size", "norm_before_residual")
-"""What a draft given to --train.init_from must share with the run's draft."""
-
-
 def check_init_from(path: str) -> Path:
     """--train.init_from names a draft directory of either kind (checked before anything expensive)
     -> its weights file (eyas.draft's DRAFT_WEIGHTS or an export's WEIGHTS)."""
@@ -242,11 +236,8 @@ def remap_head(
     (W rows) and {copied, new}: a token both hold keeps its trained row; each other row is the
     target's row of that token times M, the least-squares fit of target rows -> trained rows on the
     shared tokens (float32, on the CPU). None shared is refused: nothing would carry over."""
-    src_ids_U = torch.arange(src_d2t.numel()) + src_d2t.cpu()
-    ids_W = torch.arange(d2t.numel()) + d2t.cpu()
-    src_row_V = torch.full((lm_head_VD.shape[0],), -1, dtype=torch.long)
-    src_row_V[src_ids_U] = torch.arange(src_ids_U.numel())
-    row_W = src_row_V[ids_W]
+    ids_W = vocab.draft_to_target(torch.arange(d2t.numel()), d2t.cpu())
+    row_W = vocab.draft_rows(src_d2t.cpu(), lm_head_VD.shape[0])[ids_W]
     shared_W = row_W >= 0
     n_shared = int(shared_W.sum())
     if n_shared == 0:
