@@ -1,12 +1,16 @@
 """Online training's target forward per packed batch (`OnlineStates`), its rows all padded to the
-longest (one forward, as before session 21) against grouped by length (`row_groups`), on a
-random-weight target of the given config and batches packed as training packs them from real
-conversations (the regenerated data/ files, tokenized with the target's chat template):
+longest (one forward: the default) against grouped by length (`row_groups`), on a random-weight
+target of the given config and batches packed as training packs them from real conversations (the
+regenerated data/ files, tokenized with the target's chat template):
 
     python3 bench/online_states.py .carry/cfg/smolcfg data/smollm2-*.jsonl.xz --out $OUT/online_states.json
 
-Prints and writes, per group overhead: milliseconds per batch, real tokens/s, forwards per batch
-and padded/real tokens. Random weights: the forward's cost does not depend on their values.
+Prints and writes, per group overhead and SDPA kernels allowed (`--backends`: eyas = OnlineStates'
+default, ONLINE_SDPA; all = every kernel, PyTorch's own pick; or flash, efficient, cudnn alone):
+milliseconds per batch, real tokens/s, forwards per batch and padded/real tokens, for a first pass
+over the batches and a second over the same ones (shapes already seen: a kernel that plans per
+shape is only slow on the first). Random weights: the
+forward's cost does not depend on their values.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ import random
 import time
 
 import torch
+from torch.nn.attention import SDPBackend
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from eyas.train.data import OnlineStates, pack, pack_plan, row_groups
+from eyas.train.data import ONLINE_SDPA, OnlineStates, pack, pack_plan, row_groups
 
 
 def sample_ids(tok, files: list[str], per_file: int, max_length: int, seed: int) -> list[torch.Tensor]:
@@ -44,7 +49,8 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--batches", type=int, default=40)
-    ap.add_argument("--overheads", default="1000000000,2048,512", help="group_overhead_tokens to compare")
+    ap.add_argument("--overheads", default="none,2048", help="group_overhead_tokens to compare (none: one forward)")
+    ap.add_argument("--backends", default="eyas,all", help="SDPA kernels to compare")
     ap.add_argument("--layers", default="2,15,27")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -60,22 +66,33 @@ def main() -> None:
     batches = [pack([smp(i) for i in plan], 7, args.max_tokens) for plan in plans]
     real = sum(sum(b.lengths) for b in batches)
     layer_ids = [int(x) for x in args.layers.split(",")]
+    backends = {"eyas": list(ONLINE_SDPA), "all": list(ONLINE_SDPA) + [SDPBackend.CUDNN_ATTENTION],
+                "flash": [SDPBackend.FLASH_ATTENTION], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+                "cudnn": [SDPBackend.CUDNN_ATTENTION]}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
-    for overhead in [int(x) for x in args.overheads.split(",")]:
-        states = OnlineStates(model, layer_ids, device, group_overhead_tokens=overhead)
-        for b in batches[:3]:  # warm-up: kernels, allocator
-            states(b)
-        torch.cuda.synchronize() if device.type == "cuda" else None
-        n0, t0 = states.num_forwards, time.perf_counter()
-        for b in batches:
-            states(b)
-        torch.cuda.synchronize() if device.type == "cuda" else None
-        seconds = time.perf_counter() - t0
-        padded = sum(len(g) * b.lengths[g[0]] for b in batches for g in row_groups(b.lengths, overhead))
-        rows.append(dict(group_overhead_tokens=overhead, ms_per_batch=1e3 * seconds / len(batches),
-                         real_tokens_per_s=real / seconds, forwards_per_batch=(states.num_forwards - n0) / len(batches),
-                         padded_over_real=padded / real))
-        print(json.dumps(rows[-1]), flush=True)
+    for backend in args.backends.split(","):
+        for o in args.overheads.split(","):
+            overhead = None if o == "none" else int(o)
+            states = OnlineStates(model, layer_ids, device, group_overhead_tokens=overhead,
+                                  sdpa_backends=backends[backend])
+            for b in batches[:3]:  # warm-up: kernels, allocator
+                states(b)
+            for first_pass in (True, False):
+                sync()
+                n0, t0 = states.num_forwards, time.perf_counter()
+                for b in batches:
+                    states(b)
+                sync()
+                seconds = time.perf_counter() - t0
+                groups = [[list(range(len(b.lengths)))] if overhead is None else row_groups(b.lengths, overhead)
+                          for b in batches]
+                padded = sum(len(g) * max(b.lengths[j] for j in g) for b, gs in zip(batches, groups) for g in gs)
+                rows.append(dict(backend=backend, group_overhead_tokens=overhead, first_pass=first_pass,
+                                 ms_per_batch=1e3 * seconds / len(batches), real_tokens_per_s=real / seconds,
+                                 forwards_per_batch=(states.num_forwards - n0) / len(batches),
+                                 padded_over_real=padded / real))
+                print(json.dumps(rows[-1]), flush=True)
     result = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                   batches=len(batches), samples_per_batch=sum(len(b.lengths) for b in batches) / len(batches),
                   real_tokens=real, max_tokens=args.max_tokens, rows=rows)

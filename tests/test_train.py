@@ -538,14 +538,15 @@ def test_align_norm_divides_each_step_by_its_valid_or_its_kept_rows(tmp_path, sm
     torch.testing.assert_close(out["grad_norm"], want.float(), rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("overhead, forwards", [(0, 6), (40, 3), (10**9, 1)])
+@pytest.mark.parametrize("overhead, forwards", [(0, 6), (40, 3), (None, 1)])
 def test_online_states_of_right_padded_rows_equal_plain_forwards(smol_prep, tiny_target, overhead, forwards):
     """OnlineStates runs samples of different lengths as right-padded rows without an attention
     mask, in groups of similar length: six prefixes of 128, 30, 97, 12, 64 and 101 tokens go
     through the target one per forward (overhead 0), as {128} {101, 97, 64} {30, 12} (40 tokens
-    per extra forward: padded rows inside groups) or all in one. Each sample's states must equal a
-    plain output_hidden_states forward of it alone (a prefix's states are the prefix of the whole
-    sample's: attention is causal), and the packed row's tail up to pad_multiple stays zero."""
+    per extra forward: padded rows inside groups) or all in one (the default: no overhead given).
+    Each sample's states must equal a plain output_hidden_states forward of it alone (a prefix's
+    states are the prefix of the whole sample's: attention is causal), and the packed row's tail up
+    to pad_multiple stays zero."""
     from transformers import AutoModelForCausalLM
 
     from eyas.prepared import Prepared
@@ -557,7 +558,8 @@ def test_online_states_of_right_padded_rows_equal_plain_forwards(smol_prep, tiny
     cuts = [128, 30, 97, 12, 64, 101]
     samples = [{k: (v[:n] if isinstance(v, torch.Tensor) else v) for k, v in prep[i].items()} for i, n in enumerate(cuts)]
     assert [int(x["input_ids"].numel()) for x in samples] == cuts
-    states = OnlineStates(model, [1, 2, 3], "cpu", group_overhead_tokens=overhead, group_quantum=1)
+    grouping = {} if overhead is None else dict(group_overhead_tokens=overhead, group_quantum=1)
+    states = OnlineStates(model, [1, 2, 3], "cpu", **grouping)
     batch = states(pack(samples, 3, max_tokens=8192, pad_multiple=64))
     assert states.num_forwards == forwards
     assert batch.input_ids_BS.shape[1] == 448  # 432 tokens, padded up to a multiple of 64
@@ -567,6 +569,24 @@ def test_online_states_of_right_padded_rows_equal_plain_forwards(smol_prep, tiny
         torch.testing.assert_close(batch.final_BSD[0, start : start + n], smp["final"][:n], rtol=1e-5, atol=1e-5)
         start += n
     assert not batch.aux_BSKD[0, start:].any() and not batch.final_BSD[0, start:].any()
+
+
+def test_online_states_forward_runs_under_its_sdpa_kernels(smol_prep, tiny_target):
+    """The target's forward runs with only the SDPA kernels OnlineStates names (ONLINE_SDPA by
+    default: cuDNN's left out). On this CPU PyTorch has no memory-efficient kernel, so naming only
+    that one must fail the forward: proof the restriction reaches the attention; the default works."""
+    from torch.nn.attention import SDPBackend
+    from transformers import AutoModelForCausalLM
+
+    from eyas.prepared import Prepared
+    from eyas.train.data import ONLINE_SDPA, OnlineStates, pack
+
+    assert SDPBackend.CUDNN_ATTENTION not in ONLINE_SDPA and SDPBackend.FLASH_ATTENTION in ONLINE_SDPA
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
+    samples = [Prepared(smol_prep)[0]]
+    with pytest.raises(RuntimeError, match="No viable backend"):
+        OnlineStates(model, [1, 2, 3], "cpu", sdpa_backends=[SDPBackend.EFFICIENT_ATTENTION])(pack(samples, 3, 8192))
+    assert OnlineStates(model, [1, 2, 3], "cpu")(pack(samples, 3, 8192)).final_BSD.abs().sum() > 0
 
 
 def test_row_groups_trade_padding_against_forwards():

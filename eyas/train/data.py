@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eyas.capture import HiddenStateCapture, base_model, to_device
 from eyas.train.ttt import shift_left
@@ -279,19 +280,33 @@ def row_groups(lengths: list[int], overhead_tokens: int, quantum: int = 64) -> l
     return groups[::-1]
 
 
+# SDPA kernels the online target forward may use (`OnlineStates.sdpa_backends`): all but cuDNN's,
+# which builds a plan per input shape, and online batches are all new shapes. On an H200 (torch
+# 2.11, bench/online_states.py, session 22) a SmolLM2 batch of 16k tokens took 151 ms with every
+# kernel allowed, 96 ms when the same shapes came again, and 106 ms (both times) with flash alone
+# (cuDNN's plans the likely cause, not isolated; this set itself not yet measured there)
+ONLINE_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
 class OnlineStates:
     """Online mode: the target (possibly on its own device) fills a batch's aux/final states with
     the same capture code as the extract stage, one right-padded row per sample and, as there, no
     attention mask: attention is causal, so a real token never sees the padding after it, and SDPA
     keeps its fused causal path (no padded mask built or checked on the host). The rows go through
     the target in groups of similar length (`row_groups`, `group_overhead_tokens`) rather than all
-    padded to the longest. Called on the host-side batch; the states stay on the target's device
-    until `Batch.to` moves them."""
+    padded to the longest, when `group_overhead_tokens` is given; by default (None) all rows go in
+    one forward, padded to the longest: on one H200 (bench/online_states.py, session 22) ~3 groups
+    of similar length took as long as one forward for a SmolLM2 batch of 16k tokens (104 against
+    106 ms, flash attention), though they compute 1.3x the real tokens against 4.1x: at that size
+    each forward costs its launches more than its tokens. Called on the host-side batch;
+    the states stay on the target's device until `Batch.to` moves them."""
 
-    def __init__(self, model, layer_ids: list[int], device, group_overhead_tokens: int = 2048, group_quantum: int = 64):
+    def __init__(self, model, layer_ids: list[int], device, group_overhead_tokens: int | None = None,
+                 group_quantum: int = 64, sdpa_backends=ONLINE_SDPA):
         self.model, self.layer_ids, self.device = model, list(layer_ids), torch.device(device)
         self.capture, self.base = HiddenStateCapture(model, self.layer_ids), base_model(model)  # as extract's backend
         self.group_overhead_tokens, self.group_quantum = group_overhead_tokens, group_quantum
+        self.sdpa_backends = list(sdpa_backends)
         self.num_forwards = 0  # target forwards so far (a test counts them)
 
     @torch.no_grad()
@@ -302,8 +317,10 @@ class OnlineStates:
         for L in batch.lengths:
             starts.append(starts[-1] + L)
         aux_BSKD = final_BSD = None
-        with self.capture as cap:
-            for group in row_groups(batch.lengths, self.group_overhead_tokens, self.group_quantum):
+        with self.capture as cap, sdpa_kernel(self.sdpa_backends):
+            one = self.group_overhead_tokens is None  # one group: the overhead of another forward outweighs any padding
+            overhead = sum(batch.lengths) * max(batch.lengths) if one else self.group_overhead_tokens
+            for group in row_groups(batch.lengths, overhead, self.group_quantum):
                 ids_nL = torch.zeros(len(group), batch.lengths[group[0]], dtype=torch.long)
                 for r, j in enumerate(group):
                     ids_nL[r, : batch.lengths[j]] = ids_S[starts[j] : starts[j + 1]]
