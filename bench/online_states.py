@@ -6,10 +6,12 @@ regenerated data/ files, tokenized with the target's chat template):
     python3 bench/online_states.py .carry/cfg/smolcfg data/smollm2-*.jsonl.xz --out $OUT/online_states.json
 
 Prints and writes, per group overhead and SDPA kernels allowed (`--backends`: eyas = OnlineStates'
-default, ONLINE_SDPA; all = every kernel, PyTorch's own pick; or flash, efficient, cudnn alone):
-milliseconds per batch, real tokens/s, forwards per batch and padded/real tokens, for a first pass
-over the batches and a second over the same ones (shapes already seen: a kernel that plans per
-shape is only slow on the first). Random weights: the
+default, ONLINE_SDPA; all (or default) = no restriction, PyTorch's own pick; or flash, efficient,
+cudnn alone): milliseconds per batch, real tokens/s, forwards per batch and padded/real tokens,
+for a first pass over the batches and a second over the same ones (shapes already seen: a kernel
+that plans per shape is only slow on the first). The warm-up runs on batches outside the timed
+ones; caches other than the kernels' (the allocator's) carry over from one row to the next, so
+for a clean first pass give one backend per run. Random weights: the
 forward's cost does not depend on their values.
 """
 
@@ -26,6 +28,11 @@ from torch.nn.attention import SDPBackend
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from eyas.train.data import ONLINE_SDPA, OnlineStates, pack, pack_plan, row_groups
+
+
+# --backends: the SDPA kernels OnlineStates may use (None: no restriction)
+BACKENDS = {"eyas": list(ONLINE_SDPA), "all": None, "default": None, "flash": [SDPBackend.FLASH_ATTENTION],
+            "efficient": [SDPBackend.EFFICIENT_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION]}
 
 
 def sample_ids(tok, files: list[str], per_file: int, max_length: int, seed: int) -> list[torch.Tensor]:
@@ -50,10 +57,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--batches", type=int, default=40)
     ap.add_argument("--overheads", default="none,2048", help="group_overhead_tokens to compare (none: one forward)")
-    ap.add_argument("--backends", default="eyas,all", help="SDPA kernels to compare")
+    ap.add_argument("--backends", default="eyas,all", help="SDPA kernels to compare: " + ",".join(BACKENDS))
     ap.add_argument("--layers", default="2,15,27")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    unknown = [b for b in args.backends.split(",") if b not in BACKENDS]
+    if unknown:
+        ap.error(f"--backends: unknown {unknown}; choose from {', '.join(BACKENDS)}")
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = AutoTokenizer.from_pretrained(args.config_dir)
@@ -61,22 +71,20 @@ def main() -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
     ids = sample_ids(tok, args.data, args.per_file, args.max_length, seed=0)
     lengths = [int(x.numel()) for x in ids]
-    plans = pack_plan(list(range(len(ids))), lengths, args.max_tokens)[: args.batches]
+    plans = pack_plan(list(range(len(ids))), lengths, args.max_tokens)[: args.batches + 3]
     smp = lambda i: dict(input_ids=ids[i], loss_mask=torch.ones_like(ids[i]), id=str(i), index=i)  # noqa: E731
-    batches = [pack([smp(i) for i in plan], 7, args.max_tokens) for plan in plans]
+    packed = [pack([smp(i) for i in plan], 7, args.max_tokens) for plan in plans]
+    batches, warm_up = packed[: args.batches], packed[args.batches :]  # warm-up shapes outside the timed ones
     real = sum(sum(b.lengths) for b in batches)
     layer_ids = [int(x) for x in args.layers.split(",")]
-    backends = {"eyas": list(ONLINE_SDPA), "all": list(ONLINE_SDPA) + [SDPBackend.CUDNN_ATTENTION],
-                "flash": [SDPBackend.FLASH_ATTENTION], "efficient": [SDPBackend.EFFICIENT_ATTENTION],
-                "cudnn": [SDPBackend.CUDNN_ATTENTION]}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = []
     for backend in args.backends.split(","):
         for o in args.overheads.split(","):
             overhead = None if o == "none" else int(o)
             states = OnlineStates(model, layer_ids, device, group_overhead_tokens=overhead,
-                                  sdpa_backends=backends[backend])
-            for b in batches[:3]:  # warm-up: kernels, allocator
+                                  sdpa_backends=BACKENDS[backend])
+            for b in warm_up:  # kernels, allocator
                 states(b)
             for first_pass in (True, False):
                 sync()

@@ -198,6 +198,8 @@ def test_config_errors_name_the_flag(tmp_path):
         train_config(tmp_path, "--train.align_norm=kept")
     with pytest.raises(ConfigError, match="train.align_norm='rows': choose one of valid, kept"):
         train_config(tmp_path, "--train.align_norm=rows", "--train.align_top_k=3")
+    with pytest.raises(ConfigError, match=r"train.target_group_tokens=-1 must be >= 0 \(0 = one forward per batch\)"):
+        train_config(tmp_path, "--train.target_group_tokens=-1")
     with pytest.raises(ConfigError, match="train.init_vocab='remap' needs train.init_from"):
         train_config(tmp_path, "--train.init_vocab=remap")
     with pytest.raises(ConfigError, match="train.init_vocab='any': choose one of same, remap"):
@@ -403,14 +405,19 @@ def test_remap_head_copies_shared_tokens_and_fits_the_rest():
         build.remap_head(head_UD, src_d2t, torch.tensor([0, 5]) - torch.arange(2), lm_head_VD)
 
 
-def test_offline_equals_online_for_one_step(tmp_path, smol_prep, tiny_target):
+@pytest.mark.parametrize("group_tokens", [0, 40])
+def test_offline_equals_online_for_one_step(tmp_path, smol_prep, tiny_target, group_tokens):
+    """One optimizer step on states the target captures per batch (one forward per batch, or in
+    groups of similar length: train.target_group_tokens) equals one on states captured beforehand."""
     from transformers import AutoModelForCausalLM
 
     from eyas.prepared import Prepared
     from eyas.train.target_weights import load_embed_and_head
 
-    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.grad_accum=2")
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.grad_accum=2",
+                   f"--train.target_group_tokens={group_tokens}")
     online = build.load_data(cfg, torch.device("cpu"))  # the target captures states per batch
+    assert online.states.group_overhead_tokens == (group_tokens or None)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
     prep = Prepared(smol_prep)
     emb, head = load_embed_and_head(cfg.target)
@@ -571,22 +578,42 @@ def test_online_states_of_right_padded_rows_equal_plain_forwards(smol_prep, tiny
     assert not batch.aux_BSKD[0, start:].any() and not batch.final_BSD[0, start:].any()
 
 
-def test_online_states_forward_runs_under_its_sdpa_kernels(smol_prep, tiny_target):
-    """The target's forward runs with only the SDPA kernels OnlineStates names (ONLINE_SDPA by
-    default: cuDNN's left out). On this CPU PyTorch has no memory-efficient kernel, so naming only
-    that one must fail the forward: proof the restriction reaches the attention; the default works."""
+def test_online_states_forward_runs_under_its_sdpa_kernels(smol_prep, tiny_target, monkeypatch):
+    """The target's attention runs with only the SDPA kernels OnlineStates names: by default
+    ONLINE_SDPA (cuDNN's off, flash, memory-efficient and math on), read from PyTorch's flags inside
+    every attention call; None leaves PyTorch's own flags; the flags come back afterwards, also
+    when the forward fails. Naming only the memory-efficient kernel, which this CPU build lacks,
+    must fail the forward: the restriction reaches the attention."""
     from torch.nn.attention import SDPBackend
     from transformers import AutoModelForCausalLM
 
     from eyas.prepared import Prepared
     from eyas.train.data import ONLINE_SDPA, OnlineStates, pack
 
-    assert SDPBackend.CUDNN_ATTENTION not in ONLINE_SDPA and SDPBackend.FLASH_ATTENTION in ONLINE_SDPA
+    cuda = torch.backends.cuda
+    flags = lambda: (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),  # noqa: E731
+                     cuda.math_sdp_enabled())
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        seen.append(flags())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
     model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
-    samples = [Prepared(smol_prep)[0]]
+    batch = lambda: pack([Prepared(smol_prep)[0]], 3, 8192)  # noqa: E731
+    before = flags()
+    assert before[0], "PyTorch allows cuDNN attention by default"
+    assert SDPBackend.CUDNN_ATTENTION not in ONLINE_SDPA
+    out = OnlineStates(model, [1, 2, 3], "cpu")(batch())
+    assert seen and set(seen) == {(False, True, True, True)} and flags() == before
+    assert out.final_BSD.abs().sum() > 0
+    seen.clear()
+    OnlineStates(model, [1, 2, 3], "cpu", sdpa_backends=None)(batch())
+    assert seen and set(seen) == {before}
     with pytest.raises(RuntimeError, match="No viable backend"):
-        OnlineStates(model, [1, 2, 3], "cpu", sdpa_backends=[SDPBackend.EFFICIENT_ATTENTION])(pack(samples, 3, 8192))
-    assert OnlineStates(model, [1, 2, 3], "cpu")(pack(samples, 3, 8192)).final_BSD.abs().sum() > 0
+        OnlineStates(model, [1, 2, 3], "cpu", sdpa_backends=SDPBackend.EFFICIENT_ATTENTION)(batch())
+    assert flags() == before
 
 
 def test_row_groups_trade_padding_against_forwards():

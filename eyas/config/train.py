@@ -125,6 +125,12 @@ class TrainConfig:
     """Online mode: where the target runs: a device (cuda:1 keeps it off the draft's GPU), or
     auto / balanced / sequential to spread it over the visible GPUs with accelerate's device_map
     (empty = the draft's device)."""
+    target_group_tokens: int = 0
+    """Online mode: 0 = each batch's samples go through the target in one forward, padded to the
+    longest; N > 0 = in groups of similar length, cut where the padding saved outweighs N tokens'
+    worth of one more forward (`eyas.train.data.row_groups`). On SmolLM2-135M (one H200, session
+    22) three groups took as long as one forward of 3.2x their tokens; a large, compute-bound
+    target may gain from groups (not measured)."""
     eval_fraction: float = 0.02
     """Fraction of samples held out for evaluation (at least one sample when > 0). The split keeps
     together samples whose ids share a stem (ShareGPT's `X_0`, `X_1`: one conversation) or whose
@@ -213,6 +219,8 @@ class TrainConfig:
             require(getattr(self, name) >= 0, f"train.{name}={getattr(self, name)} must be >= 0")
         require(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
         require(self.num_workers >= -1, f"train.num_workers={self.num_workers} must be >= 0 (or -1 = auto)")
+        require(self.target_group_tokens >= 0,
+                f"train.target_group_tokens={self.target_group_tokens} must be >= 0 (0 = one forward per batch)")
         require(
             len(set(self.layer_ids)) == len(self.layer_ids),
             f"train.layer_ids={self.layer_ids} repeats a layer",

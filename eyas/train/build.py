@@ -87,7 +87,8 @@ def load_data(cfg: EyasConfig, device: torch.device) -> TrainData:
     out = model.get_output_embeddings()
     head = out.weight.detach() if out is not None else embed
     return TrainData(prep, prep.d2t, prep.t2d, layer_ids, embed, head, tcfg,
-                     OnlineStates(model, layer_ids, target_device), inputs, split_groups_of(prep))
+                     OnlineStates(model, layer_ids, target_device, group_overhead_tokens=tc.target_group_tokens or None),
+                     inputs, split_groups_of(prep))
 
 
 def split_groups_of(prep, source_indices: list[int] | None = None, source_ids: list[str] | None = None) -> list[int]:

@@ -18,6 +18,7 @@ step replays the same batches.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass, fields
 from typing import Any
@@ -282,9 +283,10 @@ def row_groups(lengths: list[int], overhead_tokens: int, quantum: int = 64) -> l
 
 # SDPA kernels the online target forward may use (`OnlineStates.sdpa_backends`): all but cuDNN's,
 # which builds a plan per input shape, and online batches are all new shapes. On an H200 (torch
-# 2.11, bench/online_states.py, session 22) a SmolLM2 batch of 16k tokens took 151 ms with every
-# kernel allowed, 96 ms when the same shapes came again, and 106 ms (both times) with flash alone
-# (cuDNN's plans the likely cause, not isolated; this set itself not yet measured there)
+# 2.11, bench/online_states.py, session 22) a SmolLM2-135M batch of 16k tokens took 151 ms with
+# every kernel allowed, 96 ms when the same shapes came again, and 106 ms (both times) with flash
+# alone (run after the others in the same process; cuDNN's plans the likely cause, not isolated;
+# this set itself not yet measured there)
 ONLINE_SDPA = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
@@ -294,19 +296,22 @@ class OnlineStates:
     attention mask: attention is causal, so a real token never sees the padding after it, and SDPA
     keeps its fused causal path (no padded mask built or checked on the host). The rows go through
     the target in groups of similar length (`row_groups`, `group_overhead_tokens`) rather than all
-    padded to the longest, when `group_overhead_tokens` is given; by default (None) all rows go in
-    one forward, padded to the longest: on one H200 (bench/online_states.py, session 22) ~3 groups
-    of similar length took as long as one forward for a SmolLM2 batch of 16k tokens (104 against
-    106 ms, flash attention), though they compute 1.3x the real tokens against 4.1x: at that size
-    each forward costs its launches more than its tokens. Called on the host-side batch;
-    the states stay on the target's device until `Batch.to` moves them."""
+    padded to the longest, when `group_overhead_tokens` is given (`train.target_group_tokens`); by
+    default (None) all rows go in one forward, padded to the longest: on one H200
+    (bench/online_states.py, session 22) ~3 groups of similar length took as long as one forward
+    for a SmolLM2-135M batch of 16k tokens (104 against 106 ms, flash attention), though they
+    compute 1.3x the real tokens against 4.1x: on that small target the padding saved about what
+    two more forwards cost. The forward runs under `sdpa_backends` (None: whatever PyTorch
+    picks). Called on the host-side batch; the states stay on the target's device until
+    `Batch.to` moves them."""
 
     def __init__(self, model, layer_ids: list[int], device, group_overhead_tokens: int | None = None,
                  group_quantum: int = 64, sdpa_backends=ONLINE_SDPA):
         self.model, self.layer_ids, self.device = model, list(layer_ids), torch.device(device)
         self.capture, self.base = HiddenStateCapture(model, self.layer_ids), base_model(model)  # as extract's backend
         self.group_overhead_tokens, self.group_quantum = group_overhead_tokens, group_quantum
-        self.sdpa_backends = list(sdpa_backends)
+        single = sdpa_backends is None or isinstance(sdpa_backends, SDPBackend)
+        self.sdpa_backends = sdpa_backends if single else list(sdpa_backends)  # sdpa_kernel takes a list, not a tuple
         self.num_forwards = 0  # target forwards so far (a test counts them)
 
     @torch.no_grad()
@@ -317,10 +322,13 @@ class OnlineStates:
         for L in batch.lengths:
             starts.append(starts[-1] + L)
         aux_BSKD = final_BSD = None
-        with self.capture as cap, sdpa_kernel(self.sdpa_backends):
-            one = self.group_overhead_tokens is None  # one group: the overhead of another forward outweighs any padding
-            overhead = sum(batch.lengths) * max(batch.lengths) if one else self.group_overhead_tokens
-            for group in row_groups(batch.lengths, overhead, self.group_quantum):
+        if self.group_overhead_tokens is None:  # one forward, the longest row first (it sets the width)
+            groups = [sorted(range(len(batch.lengths)), key=lambda j: -batch.lengths[j])]
+        else:
+            groups = row_groups(batch.lengths, self.group_overhead_tokens, self.group_quantum)
+        kernels = contextlib.nullcontext() if self.sdpa_backends is None else sdpa_kernel(self.sdpa_backends)
+        with self.capture as cap, kernels:
+            for group in groups:
                 ids_nL = torch.zeros(len(group), batch.lengths[group[0]], dtype=torch.long)
                 for r, j in enumerate(group):
                     ids_nL[r, : batch.lengths[j]] = ids_S[starts[j] : starts[j + 1]]
