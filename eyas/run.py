@@ -60,14 +60,16 @@ SECTIONS = {
 BUDGET_KEYS = {
     "regenerate": ("max_seconds",),
     "extract": ("allow_failures", "progress", "spill_dirs", "min_free_gb"),  # where shards go, not what they hold
-    "train": ("max_seconds", "resume", "num_workers", "tensorboard", "keep_checkpoints", "loss_kernel"),
+    "train": ("max_seconds", "stop_by", "resume", "num_workers", "tensorboard", "keep_checkpoints", "loss_kernel",
+              "target_group_tokens"),
 }
 RESUMABLE = ("regenerate", "train")  # a partial output of these is continued by the next run
 # keys added to a section after runs were made without them: at this value (the behaviour before
 # the key existed) they are left out of the run key, so `eyas run` continues such a run instead of
 # deleting its output as made with other settings
 LATER_KEYS = {
-    "train": {"num_layers": 1, "align_top_k": 0, "init_from": "", "align_norm": "valid", "init_vocab": "same"},
+    "train": {"num_layers": 1, "align_top_k": 0, "init_from": "", "align_norm": "valid", "init_vocab": "same",
+              "init_head": "random"},
     "evaluate": {"target_outputs": ""},
 }
 

@@ -246,8 +246,8 @@ def test_online_training_plans_no_extract_stage(tmp_path):
 
 
 def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, monkeypatch):
-    """train.num_layers, train.align_top_k, train.init_from, train.align_norm, train.init_vocab and
-    evaluate.target_outputs joined the config after runs existed: at their defaults (the behaviour
+    """train.num_layers, train.align_top_k, train.init_from, train.align_norm, train.init_vocab,
+    train.init_head and evaluate.target_outputs joined the config after runs existed: at their defaults (the behaviour
     before them) every stage key equals the one the code made when the sections had no such fields
     (simulated: the fields dropped from the hashed dict, no LATER_KEYS), so `eyas run` continues
     such a run; set otherwise, train and what follows re-run, extract does not (target_outputs: only
@@ -260,9 +260,9 @@ def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, mo
     changed = [r.run_keys(*r.stage_plan(load_config(str(y), args))) for args in
                (["--train.num_layers=2", "--export.format=speculators"], ["--train.align_top_k=1"],
                 ["--train.init_from=/drafts/a"], ["--train.align_top_k=3", "--train.align_norm=kept"],
-                ["--train.init_from=/drafts/a", "--train.init_vocab=remap"])]
+                ["--train.init_from=/drafts/a", "--train.init_vocab=remap"], ["--train.init_head=target"])]
     later = dict(r.LATER_KEYS["train"])
-    assert set(later) == {"num_layers", "align_top_k", "init_from", "align_norm", "init_vocab"}
+    assert set(later) == {"num_layers", "align_top_k", "init_from", "align_norm", "init_vocab", "init_head"}
     assert r.LATER_KEYS["evaluate"] == {"target_outputs": ""}
     simulate = ["--evaluate.mode=simulate"]
     sim = r.run_keys(*r.stage_plan(load_config(str(y), simulate)))
@@ -285,6 +285,21 @@ def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, mo
         assert other["extract"] == keys["extract"] and other["train"] != keys["train"] and other["export"] != keys["export"]
     assert stored["train"] == sim["train"] and stored["evaluate"] != sim["evaluate"]
     assert changed[4]["train"] != changed[2]["train"]  # init_vocab=remap against init_from alone
+
+
+def test_keys_of_how_a_stage_runs_leave_the_run_key_alone(tmp_path):
+    """Budgets and ways of running that do not change what a stage makes (train's time limits,
+    workers, loss kernel, the online target's forward grouping) keep every stage's key, so a
+    later `eyas run` with them continues the run; a key that changes the draft does not."""
+    import eyas.run as r
+    from eyas.config import load_config
+
+    y = recipe(tmp_path, "unused-target")
+    keys = r.run_keys(*r.stage_plan(load_config(str(y), ["--train.mode=online"])))
+    for arg in ("--train.max_seconds=60", "--train.stop_by=1800000000", "--train.num_workers=3",
+                "--train.loss_kernel=compiled", "--train.target_group_tokens=2048", "--train.keep_checkpoints=5"):
+        assert r.run_keys(*r.stage_plan(load_config(str(y), ["--train.mode=online", arg]))) == keys, arg
+    assert r.run_keys(*r.stage_plan(load_config(str(y), ["--train.mode=online", "--train.lr=0.5"])))["train"] != keys["train"]
 
 
 def test_multi_layer_drafts_are_refused_an_sglang_export_before_anything_runs():

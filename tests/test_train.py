@@ -204,6 +204,10 @@ def test_config_errors_name_the_flag(tmp_path):
         train_config(tmp_path, "--train.init_vocab=remap")
     with pytest.raises(ConfigError, match="train.init_vocab='any': choose one of same, remap"):
         train_config(tmp_path, "--train.init_vocab=any", "--train.init_from=/d")
+    with pytest.raises(ConfigError, match="train.init_head='zeros': choose one of random, target"):
+        train_config(tmp_path, "--train.init_head=zeros")
+    with pytest.raises(ConfigError, match="train.init_head='target' with train.init_from"):
+        train_config(tmp_path, "--train.init_head=target", "--train.init_from=/d")
     with pytest.raises(ConfigError, match="did you mean 'train.max_tokens'"):
         train_config(tmp_path, "--train.max_token=5")
 
@@ -375,6 +379,31 @@ def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_targe
     monkeypatch.setattr(build, "load_data", lambda *a: pytest.fail("read the data before checking init_from"))
     with pytest.raises(ConfigError, match="not a draft directory"):
         run(tiny_cfg(tmp_path / "x", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={tmp_path}"))
+
+
+def test_init_head_target_starts_from_the_targets_rows_of_the_draft_tokens(tmp_path, smol_prep, tiny_target):
+    """--train.init_head=target: lm_head row i is the target's row of draft token i (target id
+    i + d2t[i], checked token by token against t2d's own order) times one factor that gives the
+    rows the random head's mean norm; every other weight is what the same seed gives with a random
+    head; a resumed run (init=False) keeps the random one (its checkpoint holds the weights)."""
+    cpu = torch.device("cpu")
+    rand = tiny_cfg(tmp_path / "r", smol_prep, tiny_target, "--train.mode=online")
+    data = build.load_data(rand, cpu)
+    head = tiny_cfg(tmp_path / "h", smol_prep, tiny_target, "--train.mode=online", "--train.init_head=target")
+    base, _ = build.build_trainer(rand, data, cpu, total_steps=5)
+    tr, _ = build.build_trainer(head, data, cpu, total_steps=5)
+    kept = sorted(torch.nonzero(data.t2d).flatten().tolist())  # the draft vocabulary, in target-id order
+    assert len(kept) == data.d2t.numel()
+    head_WD, target_WD = tr.draft.lm_head.weight.detach(), data.lm_head_VD[kept].float()
+    scale = float(base.draft.lm_head.weight.detach().norm(dim=1).mean() / target_WD.norm(dim=1).mean())
+    assert 0 < scale < 1  # the target's rows are longer than PyTorch's default ones
+    for i, tok in enumerate(kept):
+        torch.testing.assert_close(head_WD[i], data.lm_head_VD[tok].float() * scale, msg=f"draft id {i}, token {tok}")
+    torch.testing.assert_close(head_WD.norm(dim=1).mean(), base.draft.lm_head.weight.detach().norm(dim=1).mean())
+    for (name, p), q in zip(tr.draft.named_parameters(), base.draft.parameters()):
+        assert name == "lm_head.weight" or torch.equal(p, q), name
+    resumed, _ = build.build_trainer(head, data, cpu, total_steps=5, init=False)
+    assert torch.equal(resumed.draft.lm_head.weight, base.draft.lm_head.weight)
 
 
 def test_remap_head_copies_shared_tokens_and_fits_the_rest():
@@ -788,6 +817,42 @@ def test_an_existing_run_needs_resume(tmp_path, smol_prep, tiny_target):
     run(cfg)
     with pytest.raises(ConfigError, match="--resume auto"):
         run(cfg)
+
+
+def test_time_is_up_by_the_budget_or_before_the_deadline():
+    from functools import partial
+
+    from eyas.train.loop import time_is_up
+
+    at = partial(time_is_up, elapsed_s=11.0, now=1000.0, window_s=5.0)
+    assert at(budget_s=12.0, stop_by=0.0) == ""
+    assert at(budget_s=10.0, stop_by=0.0) == "train.max_seconds=10 reached"
+    # stop_by: stop when the time to the next logging step would end past it
+    assert at(budget_s=0.0, stop_by=1006.0) == ""
+    assert at(budget_s=0.0, stop_by=1005.0) == ""
+    assert at(budget_s=0.0, stop_by=1004.0) == "train.stop_by=1004 in 4 s, a logging window takes 5 s"
+    assert at(budget_s=0.0, stop_by=990.0) == "train.stop_by=990 passed, a logging window takes 5 s"
+    assert at(budget_s=10.0, stop_by=990.0) == "train.max_seconds=10 reached"
+
+
+def test_stop_by_stops_early_and_is_not_part_of_the_run_key(tmp_path, smol_prep, tiny_target, capsys):
+    """A deadline already past: a warning at the start, then the first logging window is trained,
+    saved and recorded as stopped early (as max_seconds); `--train.resume=auto` with a later
+    deadline finishes it, and the deadline is not part of `eyas run`'s key for the stage."""
+    from eyas.run import run_keys, stage_plan
+
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=5",
+                   "--train.log_every=2", "--train.stop_by=1")
+    meta = run(cfg)
+    printed = capsys.readouterr().out
+    assert "warning: train.stop_by=1 passed" in printed
+    assert "train.stop_by=1 passed, a logging window takes" in printed and "stopping at step 2 of 5" in printed
+    assert meta["counts"]["steps"] == 2 and meta["counts"]["stopped_early"]
+    later = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=5",
+                     "--train.log_every=2", f"--train.stop_by={time.time() + 3600:.0f}", "--train.resume=auto")
+    assert run_keys(*stage_plan(later))["train"] == run_keys(*stage_plan(cfg))["train"]
+    meta = run(later)
+    assert meta["counts"]["steps"] == 5 and not meta["counts"]["stopped_early"]
 
 
 def test_max_seconds_stops_early_and_resume_finishes(tmp_path, smol_prep, tiny_target):

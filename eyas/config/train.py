@@ -11,6 +11,7 @@ ATTENTIONS = ("auto", "sdpa", "flex")
 LOSS_KERNELS = ("auto", "eager", "compiled")
 ALIGN_NORMS = ("valid", "kept")
 INIT_VOCABS = ("same", "remap")
+INIT_HEADS = ("random", "target")
 
 
 @dataclass
@@ -64,6 +65,14 @@ class TrainConfig:
     """Wall-clock budget of the training loop (0 = none): at the first logging step past it,
     training stops early, checks, saves and writes `final` as at the end (meta.json records the
     steps done and `stopped_early`). The learning-rate schedule still spans the planned steps."""
+    stop_by: float = 0.0
+    """Wall-clock deadline as UNIX time in seconds (0 = none), e.g. a scheduler job's end minus the
+    minutes that the final evaluation, saving and export take: at each logging step training stops
+    early (as with max_seconds) when the next logging step would come past it (estimated as the
+    last window's wall time plus the held-out evaluation and checkpoint due at this step, at their
+    last durations: leave room for the first evaluation, which has no earlier one). Unlike
+    max_seconds it counts what comes before the training loop too (data, target load, earlier
+    stages of `eyas run`). Like max_seconds, not part of `eyas run`'s key."""
     max_tokens: int = 8192
     """Token budget of one micro-batch on one rank: samples (shuffled per epoch) are packed into one
     row until the next one would exceed it; a sample longer than the budget is truncated to it."""
@@ -164,6 +173,14 @@ class TrainConfig:
     that ranks a new token as the target's own head would, in the draft's space). When the
     vocabularies differ, train prints and meta.json's inputs.init_from.vocab records how many rows
     were copied and how many are new (the same vocabulary is a plain copy, as with same)."""
+    init_head: str = "random"
+    """How a draft that starts without train.init_from begins its lm_head. random: PyTorch's default
+    initialisation. target: the target's lm_head rows of the draft vocabulary's tokens (W x D), all
+    scaled by one factor to the mean row norm of the random initialisation, so that the draft
+    starts scoring tokens along the target's output directions without the target's confident
+    logits (its rows at full scale trained worse; at this scale, better in a 160-step CPU pilot:
+    BENCHMARKS.md, session 23). The rest of the draft starts as with random; with train.init_from
+    the head is that draft's (refused together)."""
     resume: str = ""
     """auto: continue from the latest checkpoint in OUT_DIR/checkpoints if there is one; a
     checkpoint directory: continue from it; empty: start fresh (an existing run is an error)."""
@@ -188,6 +205,11 @@ class TrainConfig:
                 f"train.init_vocab={self.init_vocab!r}: choose one of {', '.join(INIT_VOCABS)}")
         require(self.init_vocab == "same" or bool(self.init_from),
                 f"train.init_vocab={self.init_vocab!r} needs train.init_from (a draft to remap)")
+        require(self.init_head in INIT_HEADS,
+                f"train.init_head={self.init_head!r}: choose one of {', '.join(INIT_HEADS)}")
+        require(self.init_head == "random" or not self.init_from,
+                f"train.init_head={self.init_head!r} with train.init_from: the head comes from that draft "
+                "(drop one of them)")
         require(self.loss_kernel in LOSS_KERNELS,
                 f"train.loss_kernel={self.loss_kernel!r}: choose one of {', '.join(LOSS_KERNELS)}")
         require(self.lr > 0, f"train.lr={self.lr} must be > 0")
@@ -203,6 +225,7 @@ class TrainConfig:
         require(self.epochs >= 1, f"train.epochs={self.epochs} must be >= 1")
         require(self.max_steps >= 0, f"train.max_steps={self.max_steps} must be >= 0")
         require(self.max_seconds >= 0, f"train.max_seconds={self.max_seconds} must be >= 0 (0 = no budget)")
+        require(self.stop_by >= 0, f"train.stop_by={self.stop_by} must be >= 0 (UNIX time; 0 = no deadline)")
         require(self.max_tokens >= 8, f"train.max_tokens={self.max_tokens} is too small (>= 8)")
         require(self.grad_accum >= 1, f"train.grad_accum={self.grad_accum} must be >= 1")
         require(self.pad_multiple >= 0, f"train.pad_multiple={self.pad_multiple} must be >= 0")

@@ -65,6 +65,10 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "config.yaml", dump_config(cfg))
     barrier()
+    late_s = time.time() - tc.stop_by
+    if rank == 0 and tc.stop_by and late_s > 0:
+        print(f"[eyas:train] warning: train.stop_by={tc.stop_by:.0f} passed {late_s:.0f} s ago: "
+              "training stops at its first logging step", flush=True)
     try:
         if tc.init_from and resume is None:
             build.check_init_from(tc.init_from)

@@ -230,6 +230,13 @@ def init_weights(
     return record
 
 
+def target_head_rows(lm_head_VD: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
+    """The target's lm_head rows of the draft vocabulary's tokens, in draft-id order -> W x D
+    (float32, on the CPU; only those rows leave the target's device)."""
+    ids_W = vocab.draft_to_target(torch.arange(d2t.numel()), d2t.cpu())
+    return lm_head_VD.detach()[ids_W.to(lm_head_VD.device)].cpu().float()
+
+
 def remap_head(
     head_UD: torch.Tensor, src_d2t: torch.Tensor, d2t: torch.Tensor, lm_head_VD: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, int]]:
@@ -244,7 +251,7 @@ def remap_head(
     if n_shared == 0:
         raise ArtifactError("train.init_vocab=remap: the two draft vocabularies share no token")
     trained_UD = head_UD.detach().cpu().float()
-    target_WD = lm_head_VD.detach()[ids_W.to(lm_head_VD.device)].cpu().float()  # only the W rows leave the device
+    target_WD = target_head_rows(lm_head_VD, d2t)
     out_WD = torch.empty(ids_W.numel(), trained_UD.shape[1])
     out_WD[shared_W] = trained_UD[row_W[shared_W]]
     if n_shared < ids_W.numel():
@@ -257,7 +264,8 @@ def build_trainer(
     cfg: EyasConfig, data: TrainData, device: torch.device, rank: int = 0, world_size: int = 1, total_steps: int = 1,
     init: bool = True,
 ) -> tuple[Trainer, DraftConfig]:
-    """`init`: apply --train.init_from (off when a checkpoint is resumed: it holds the weights)."""
+    """`init`: apply --train.init_from or --train.init_head (off when a checkpoint is resumed: it
+    holds the weights)."""
     tc = cfg.train
     dcfg = draft_config(cfg, data)
     torch.manual_seed(cfg.seed)  # identical initialisation on every rank
@@ -272,6 +280,16 @@ def build_trainer(
                         if "vocab" in record else "")
             print(f"[eyas:train] weights from {tc.init_from} (sha256 {record['weights_sha256'][:12]}){remapped}; "
                   "optimizer and learning-rate schedule start afresh", flush=True)
+    elif init and tc.init_head == "target":
+        with torch.no_grad():
+            # the target's directions at the default initialisation's scale: its own rows (row norm
+            # ~3.2 for SmolLM2 against ~0.58) made the first logits confident and trained worse (BENCHMARKS.md)
+            rows_WD = target_head_rows(data.lm_head_VD, data.d2t)
+            rows_WD *= draft.lm_head.weight.norm(dim=1).mean() / rows_WD.norm(dim=1).mean()
+            draft.lm_head.weight.copy_(rows_WD)
+        if rank == 0:
+            print(f"[eyas:train] lm_head from the target's rows of the {data.d2t.numel():,} draft tokens, "
+                  "scaled to the default initialisation's mean row norm (train.init_head=target)", flush=True)
     draft.to(device)
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
     attention = resolve_attention(tc.attention, device)

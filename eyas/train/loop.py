@@ -367,6 +367,14 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     last_train: dict[str, Any] = {}
     last_eval: dict[str, Any] = {}
     windows_log: list[tuple[float, float]] = []  # (tokens, training seconds) of each logged window of this run
+    side_s = {"eval": 0.0, "save": 0.0}  # the last held-out evaluation's and checkpoint's seconds (train.stop_by)
+
+    def eval_due(n: int) -> bool:  # a held-out evaluation after step n (the last step's comes after the loop)
+        return eval_loader_fn is not None and tc.eval_every > 0 and n % tc.eval_every == 0 and n < sched.total
+
+    def save_due(n: int) -> bool:
+        return tc.save_every > 0 and n % tc.save_every == 0 and n < sched.total
+
     step, epoch = start, sched.position(start)[0]
     end, t_fit = sched.total, time.perf_counter()
     tr.model.train()
@@ -395,24 +403,31 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
                       f"{last_train['tokens_per_s']:.0f} tok/s (loader {last_train['loader_s']:.1f} of {dt:.1f} s)",
                       flush=True)
             acc = {k: v.clone() for k, v in zero.items()}
+            # until the next logging step: a window as long as this one (its side work included) and
+            # the evaluation and checkpoint due now, as long as the last ones (0 before the first)
+            window_s = time.perf_counter() - t0 + side_s["eval"] * eval_due(done) + side_s["save"] * save_due(done)
             tokens, norms, t0, paused = 0, [], time.perf_counter(), 0.0
-            if tc.max_seconds and done < sched.total and out_of_time(tr, t_fit, tc.max_seconds):
-                end = done
-                if tr.rank == 0:
-                    print(f"[eyas:train] train.max_seconds={tc.max_seconds:g} reached: stopping at step {done} of "
-                          f"{sched.total}", flush=True)
-                break
+            if (tc.max_seconds or tc.stop_by) and done < sched.total:
+                why = out_of_time(tr, elapsed_s=time.perf_counter() - t_fit, budget_s=tc.max_seconds, now=time.time(),
+                                  window_s=window_s, stop_by=tc.stop_by)
+                if why:
+                    end = done
+                    if tr.rank == 0:
+                        print(f"[eyas:train] {why}: stopping at step {done} of {sched.total}", flush=True)
+                    break
         t_side = time.perf_counter()
-        if eval_loader_fn is not None and tc.eval_every and done % tc.eval_every == 0 and done < sched.total:
+        if eval_due(done):
             last_eval = dict(step=done, epoch=epoch, split="eval", **evaluate(tr, eval_loader_fn(), tc.eval_max_batches))
-            last_eval["seconds"] = time.perf_counter() - t_side
+            last_eval["seconds"] = side_s["eval"] = time.perf_counter() - t_side
             log.write(last_eval)
-        if tc.save_every and done % tc.save_every == 0 and done < sched.total:
+        if save_due(done):
+            t_save = time.perf_counter()
             window = []  # the window in progress when a checkpoint falls between logging steps
             if done % tc.log_every:  # the same on every rank, as the all-reduce needs
                 n = float(all_reduce_sum(torch.tensor(float(tokens), device=tr.device)).item())
                 window = [(n, t_side - t0 - paused)]
             save(tr, ckpt_root, done, sched, draft_cfg, cumulative_work(prior, windows_log + window, done - start))
+            side_s["save"] = time.perf_counter() - t_save
         paused += time.perf_counter() - t_side
     windows.close()  # a window prepared for a step past the time budget is dropped before evaluation
     if eval_loader_fn is not None:
@@ -449,12 +464,28 @@ def cumulative_work(prior: dict[str, float] | None, windows_log: list[tuple[floa
             "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else None}
 
 
-def out_of_time(tr: Trainer, t_start: float, budget_s: float) -> bool:
-    """Rank 0's clock decides for every rank (called at a logging step, already a sync point)."""
-    flag = torch.tensor(float(time.perf_counter() - t_start > budget_s), device=tr.device)
+def time_is_up(*, elapsed_s: float, budget_s: float, now: float, window_s: float, stop_by: float) -> str:
+    """Why training stops at this logging step ('' = it goes on): `elapsed_s` of the loop past
+    train.max_seconds (`budget_s`, 0 = none), or the time to the next logging step (`window_s`,
+    estimated from the last window and the side work due) ending past train.stop_by (UNIX time,
+    0 = none) from `now`."""
+    if budget_s and elapsed_s > budget_s:
+        return f"train.max_seconds={budget_s:g} reached"
+    if stop_by and now + window_s > stop_by:
+        return (f"train.stop_by={stop_by:.0f} {'passed' if now > stop_by else f'in {stop_by - now:.0f} s'}, "
+                f"a logging window takes {window_s:.0f} s")
+    return ""
+
+
+def out_of_time(tr: Trainer, **clock: float) -> str:
+    """`time_is_up(**clock)` by rank 0's clock, for every rank (called at a logging step, already a sync point)."""
+    why = time_is_up(**clock)
     if tr.world_size > 1:
+        flag = torch.tensor(float(bool(why)), device=tr.device)
         torch.distributed.broadcast(flag, src=0)
-    return bool(flag.item())
+        if tr.rank != 0:
+            why = "rank 0 is out of time" if flag.item() else ""
+    return why
 
 
 def save(tr: Trainer, ckpt_root: Path, step: int, sched: Schedule, draft_cfg: DraftConfig,
