@@ -178,7 +178,7 @@ class TrainConfig:
     initialisation. target: the target's lm_head rows of the draft vocabulary's tokens (W x D), all
     scaled by one factor to the mean row norm of the random initialisation, so that the draft
     starts scoring tokens along the target's output directions without the target's confident
-    logits (its rows at full scale trained worse; at this scale, better in a 160-step CPU pilot:
+    logits (its rows at full scale trained worse; at this scale, better in 160-step CPU pilots:
     BENCHMARKS.md, session 23). The rest of the draft starts as with random; with train.init_from
     the head is that draft's (refused together)."""
     resume: str = ""
