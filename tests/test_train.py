@@ -259,6 +259,7 @@ def test_tiny_run_on_real_smollm2_states_learns(tmp_path, smol_prep, smol_model)
     assert last["tau"] > first["tau"] + 0.1, [r["tau"] for r in recs]
     assert len(last["acc_T"]) == len(last["loss_T"]) == 3 and last["tokens_per_s"] > 0 and last["grad_norm"] > 0
     assert 1.0 <= first["tau_chain_rows"] < last["tau_chain_rows"] <= 4.0 and all(0 <= a <= 1 for a in last["chain_acc_rows_T"])
+    assert all(r["trained_share_T"] == [1.0, 1.0, 1.0] for r in recs)  # without align_top_k every valid row trains
     assert read_metrics(cfg.stage_dir("train"), "eval")
     # outputs: final draft (eyas.draft format), meta.json with the final metrics, plots
     from eyas.artifacts import read_meta
@@ -311,7 +312,7 @@ def first_step(cfg, data):
     return out, [b.sample_ids for b in batches], torch.cat([p.detach().flatten() for p in tr.draft.parameters()])
 
 
-def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_target, monkeypatch):
+def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_target, monkeypatch, capsys):
     """--train.init_from starts from a trained draft's weights, from train's final/ or from an
     export, with a fresh optimizer and schedule, and records what it read; another draft shape or
     vocabulary is refused naming what differs, a directory without a draft before any work."""
@@ -338,6 +339,14 @@ def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_targe
         assert tr.init_from == {"dir": str(src), "weights_sha256": sha256_file(weights)}
         skipped, _ = build.build_trainer(cfg, data, cpu, total_steps=5, init=False)  # a resumed run's
         assert all(torch.equal(p, q) for p, q in zip(skipped.draft.parameters(), fresh.draft.parameters()))
+    # the alignment mask on a trained draft, or on a resumed run, is not warned about (from random weights it is)
+    capsys.readouterr()
+    aligned = tiny_cfg(tmp_path / "al", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={final}",
+                       "--train.align_top_k=3")
+    build.build_trainer(aligned, data, cpu, total_steps=5)
+    scratch = tiny_cfg(tmp_path / "as", smol_prep, tiny_target, "--train.mode=online", "--train.align_top_k=3")
+    build.build_trainer(scratch, data, cpu, total_steps=5, init=False)
+    assert "align_top_k" not in capsys.readouterr().out
     wider = tiny_cfg(tmp_path / "w", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={final}",
                      "--train.intermediate_size=64")
     with pytest.raises(ConfigError, match=r"intermediate_size \d+ there, 64 here"):
@@ -496,7 +505,7 @@ def test_top1_weight_trains_on_the_teachers_top1(tmp_path, smol_prep, tiny_targe
 FIT_STEPS = 12
 
 
-def test_align_top_k_trains_only_rows_whose_greedy_chain_is_alive(tmp_path, smol_prep, tiny_target):
+def test_align_top_k_trains_only_rows_whose_greedy_chain_is_alive(tmp_path, smol_prep, tiny_target, capsys):
     """--train.align_top_k=1: step i's loss sums the soft cross-entropy over the rows whose draft
     top-1 matched the target's top-1 at every step before i (found here row by row); the held-out
     evaluation reads the same, and its tau_chain_rows counts the rows still matching after each step."""
@@ -506,25 +515,29 @@ def test_align_top_k_trains_only_rows_whose_greedy_chain_is_alive(tmp_path, smol
                    "--train.lr=1e-2", "--train.warmup_steps=1")
     data = build.load_data(cfg, torch.device("cpu"))
     tr, _, _, step, batches = first_window(cfg, data)
+    # from random weights the mask leaves the later steps few positions: said at the start
+    assert "warning: train.align_top_k=1 on a draft from random weights" in capsys.readouterr().out
     b = tr.prepare(batches[0])
     for _ in range(FIT_STEPS):  # a draft that gets some tokens right (a fresh one gets none)
         train_step(tr, [b], step)
     with torch.no_grad():
         logits_T = tr.forward(b)
         p_NW, top1_N = tr.teacher(b)
-    hit, want, chain, reached = {}, [], [], []  # hit[(row, step)]: the draft's top-1 is the target's there
+    hit, want, chain, reached, kept = {}, [], [], [], []  # hit[(row, step)]: the draft's top-1 is the target's there
     for i, (logits_MW, tix_M, rows_M) in enumerate(zip(logits_T, b.tix_T, b.rows_T)):
-        total, alive, reach = 0.0, 0, 0
+        total, alive, reach, trained = 0.0, 0, 0, 0
         for z, t, r in zip(logits_MW, tix_M.tolist(), rows_M.tolist()):
             earlier = all(hit.get((r, j), False) for j in range(i))
             hit[(r, i)] = int(top1_N[t]) >= 0 and int(z.argmax()) == int(top1_N[t])
             if earlier and int(top1_N[t]) >= 0:
                 total += float(-(p_NW[t] * torch.log_softmax(z.double(), -1)).sum())
+                trained += 1
             alive += earlier and hit[(r, i)]
             reach += earlier
         want.append(total)
         chain.append(alive)
         reached.append(reach)
+        kept.append(trained)
     assert chain[0] > chain[1] > 0  # some rows miss, some go on: both branches of the mask run
     held = evaluate(tr, [b])
     valid = [int((top1_N[tix_M] >= 0).sum()) for tix_M in b.tix_T]
@@ -532,9 +545,12 @@ def test_align_top_k_trains_only_rows_whose_greedy_chain_is_alive(tmp_path, smol
     rows0 = len(b.rows_T[0])
     assert held["tau_chain_rows"] == pytest.approx(1 + sum(chain) / rows0)
     assert reached[0] == rows0 and held["chain_acc_rows_T"] == pytest.approx([c / r for c, r in zip(chain, reached)])
+    # the share of valid rows each step trained on: all of step 0's, fewer after it
+    assert kept[0] == valid[0] and kept[1] < valid[1]
+    assert held["trained_share_T"] == pytest.approx([k / v for k, v in zip(kept, valid)])
     out = train_step(tr, [b], step)
     torch.testing.assert_close(out["loss_sum_T"].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-4)
-    assert out["chain_T"].tolist() == chain and out["reached_T"].tolist() == reached
+    assert out["chain_T"].tolist() == chain and out["reached_T"].tolist() == reached and out["kept_T"].tolist() == kept
 
 
 @pytest.mark.parametrize("norm", ["valid", "kept"])

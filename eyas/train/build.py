@@ -290,6 +290,11 @@ def build_trainer(
         if rank == 0:
             print(f"[eyas:train] lm_head from the target's rows of the {data.d2t.numel():,} draft tokens, "
                   "scaled to the default initialisation's mean row norm (train.init_head=target)", flush=True)
+    if init and not tc.init_from and tc.align_top_k and rank == 0:
+        print(f"[eyas:train] warning: train.align_top_k={tc.align_top_k} on a draft from random weights: until its "
+              f"{tc.align_top_k} best often hold the target's token, the TTT steps after the first train on few "
+              "positions (trained_share_T); from scratch it trained slower than without the mask (BENCHMARKS.md, "
+              "session 24): start it on a trained draft (--train.init_from)", flush=True)
     draft.to(device)
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
     attention = resolve_attention(tc.attention, device)

@@ -88,7 +88,7 @@ class Trainer:
             return self.model(batch.aux_BSKD, batch.input_ids_BS, batch.pos_BS, masks, batch.rows_T)
 
 
-COUNTERS = ("loss_sum_T", "correct_T", "valid_T", "reached_T", "chain_T", "mask_T")
+COUNTERS = ("loss_sum_T", "correct_T", "valid_T", "reached_T", "chain_T", "kept_T", "mask_T")
 """Per-TTT-step sums `train_step` returns and `summarize` turns into metrics (mask_T on the host)."""
 
 
@@ -123,6 +123,7 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
     correct_T = torch.zeros_like(valid_T)
     reached_T = torch.zeros_like(valid_T)
     alive_T = torch.zeros_like(valid_T)
+    trained_T = torch.zeros_like(valid_T)
     for j, (b, (p_NW, top1_N)) in enumerate(zip(batches, first)):
         if p_NW is None:
             p_NW = tr.teacher(b)[0]
@@ -138,6 +139,7 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
         correct_T += cor_T
         reached_T += reach_T
         alive_T += chain_T
+        trained_T += kept_T
     del first, p_NW, top1_N, logits_T, ls_T, scaled_T, loss  # the W-wide tensors, freed before the next window's states
     if before_sync is not None:
         before_sync()
@@ -151,7 +153,7 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
     # host-side counts stay on the host (a pageable host->device copy would wait for the GPU)
     mask_T = torch.tensor([sum(len(b.rows_T[i]) for b in batches) for i in range(tr.tc.ttt_steps)])
     return {"loss_sum_T": loss_sum_T, "correct_T": correct_T, "valid_T": valid_T, "reached_T": reached_T,
-            "chain_T": alive_T, "mask_T": mask_T, "grad_norm": grad_norm.detach().float(), "tokens": sum(b.num_tokens for b in batches)}
+            "chain_T": alive_T, "kept_T": trained_T, "mask_T": mask_T, "grad_norm": grad_norm.detach().float(), "tokens": sum(b.num_tokens for b in batches)}
 
 
 def raise_non_finite(step: int, batches: list[Batch], loss_sum_T: torch.Tensor, grad_norm: torch.Tensor) -> None:
@@ -169,7 +171,7 @@ def summarize(sums: dict[str, torch.Tensor], weights_T: torch.Tensor) -> dict[st
     """Global metrics from summed counters (all-reduced here: one collective, one host sync)."""
     device = sums["loss_sum_T"].device
     packed = all_reduce_sum(torch.stack([sums[k].to(device, torch.float64) for k in COUNTERS]))
-    loss_sum, correct, valid, reached, chain, mask = packed.tolist()  # .tolist(): the logging sync point
+    loss_sum, correct, valid, reached, chain, kept, mask = packed.tolist()  # .tolist(): the logging sync point
     loss_T = [s / max(v, 1) for s, v in zip(loss_sum, valid)]
     acc_T = [c / max(m, 1) for c, m in zip(correct, mask)]
     w = weights_T.tolist()
@@ -182,6 +184,9 @@ def summarize(sums: dict[str, torch.Tensor], weights_T: torch.Tensor) -> dict[st
         "chain_acc_rows_T": [c / max(r, 1) for c, r in zip(chain, reached)],
         "tau_chain_rows": chain_length(chain, mask[0]),
         "valid_T": [int(v) for v in valid],
+        # the share of valid rows each step's loss trained on: 1 but under align_top_k, whose mask
+        # keeps few rows of the later steps while the draft is still poor (a draft from scratch)
+        "trained_share_T": [k / max(v, 1) for k, v in zip(kept, valid)],
     }
 
 
@@ -196,12 +201,13 @@ def evaluate(tr: Trainer, loader, max_batches: int = 0) -> dict[str, Any]:
             break
         b = tr.prepare(b)
         p_NW, top1_N = tr.teacher(b)
-        ls_T, cor_T, val_T, reach_T, chain_T, _ = terms(tr, b, tr.forward(b), p_NW, top1_N)
+        ls_T, cor_T, val_T, reach_T, chain_T, kept_T = terms(tr, b, tr.forward(b), p_NW, top1_N)
         sums["loss_sum_T"] += ls_T
         sums["correct_T"] += cor_T
         sums["valid_T"] += val_T
         sums["reached_T"] += reach_T
         sums["chain_T"] += chain_T
+        sums["kept_T"] += kept_T
         sums["mask_T"] += torch.tensor([len(r) for r in b.rows_T], dtype=torch.float64)
     tr.model.train()
     return summarize(sums, tr.weights_T)
@@ -400,7 +406,9 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
                 print(f"[eyas:train] step {done}/{sched.total} loss {rec['loss']:.4f} acc0 {rec['acc_T'][0]:.3f} "
                       f"tau {rec['tau']:.3f} chain rows {rec['tau_chain_rows']:.3f} lr {last_train['lr']:.2e} "
                       f"|g| {last_train['grad_norm']:.3f} "
-                      f"{last_train['tokens_per_s']:.0f} tok/s (loader {last_train['loader_s']:.1f} of {dt:.1f} s)",
+                      + (f"trained {rec['trained_share_T'][1]:.2f}..{rec['trained_share_T'][-1]:.2f} " if tc.align_top_k
+                         and tc.ttt_steps > 1 else "")
+                      + f"{last_train['tokens_per_s']:.0f} tok/s (loader {last_train['loader_s']:.1f} of {dt:.1f} s)",
                       flush=True)
             acc = {k: v.clone() for k, v in zero.items()}
             # until the next logging step: a window as long as this one (its side work included) and
