@@ -551,6 +551,15 @@ def test_align_top_k_trains_only_rows_whose_greedy_chain_is_alive(tmp_path, smol
     out = train_step(tr, [b], step)
     torch.testing.assert_close(out["loss_sum_T"].double(), torch.tensor(want, dtype=torch.float64), rtol=1e-5, atol=1e-4)
     assert out["chain_T"].tolist() == chain and out["reached_T"].tolist() == reached and out["kept_T"].tolist() == kept
+    # a run's log line shows step 1's and the last step's trained share, as its metrics record them
+    short = tiny_cfg(tmp_path / "run", smol_prep, tiny_target, "--train.mode=online", "--train.align_top_k=1",
+                     "--train.max_steps=2")
+    run(short)
+    logged = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[eyas:train] step ")]
+    recs = read_metrics(short.stage_dir("train"))
+    assert len(logged) == len(recs) == 2
+    for line, r in zip(logged, recs):
+        assert f" trained {r['trained_share_T'][1]:.2f}..{r['trained_share_T'][2]:.2f} " in line, line
 
 
 @pytest.mark.parametrize("norm", ["valid", "kept"])
@@ -717,7 +726,7 @@ def test_one_step_with_the_compiled_loss_kernel_equals_eager(tmp_path, smol_prep
     assert eager[1] == compiled[1] and eager[0]["valid_T"].sum() > 50
     for key in ("loss_sum_T", "grad_norm"):
         torch.testing.assert_close(compiled[0][key], eager[0][key], rtol=1e-5, atol=1e-5)
-    for key in ("correct_T", "valid_T", "reached_T", "chain_T"):
+    for key in ("correct_T", "valid_T", "reached_T", "chain_T", "kept_T"):
         assert torch.equal(compiled[0][key], eager[0][key])
     torch.testing.assert_close(compiled[2], eager[2], rtol=1e-5, atol=1e-5)
 

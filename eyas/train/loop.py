@@ -403,12 +403,12 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             windows.loader_s = 0.0
             log.write(last_train)
             if tr.rank == 0:
+                share = rec["trained_share_T"]  # under align_top_k: step 1's and the last step's
+                trained = f"trained {share[1]:.2f}..{share[-1]:.2f} " if tc.align_top_k and len(share) > 1 else ""
                 print(f"[eyas:train] step {done}/{sched.total} loss {rec['loss']:.4f} acc0 {rec['acc_T'][0]:.3f} "
                       f"tau {rec['tau']:.3f} chain rows {rec['tau_chain_rows']:.3f} lr {last_train['lr']:.2e} "
-                      f"|g| {last_train['grad_norm']:.3f} "
-                      + (f"trained {rec['trained_share_T'][1]:.2f}..{rec['trained_share_T'][-1]:.2f} " if tc.align_top_k
-                         and tc.ttt_steps > 1 else "")
-                      + f"{last_train['tokens_per_s']:.0f} tok/s (loader {last_train['loader_s']:.1f} of {dt:.1f} s)",
+                      f"|g| {last_train['grad_norm']:.3f} {trained}"
+                      f"{last_train['tokens_per_s']:.0f} tok/s (loader {last_train['loader_s']:.1f} of {dt:.1f} s)",
                       flush=True)
             acc = {k: v.clone() for k, v in zero.items()}
             # until the next logging step: a window as long as this one (its side work included) and
