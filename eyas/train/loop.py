@@ -153,7 +153,8 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
     # host-side counts stay on the host (a pageable host->device copy would wait for the GPU)
     mask_T = torch.tensor([sum(len(b.rows_T[i]) for b in batches) for i in range(tr.tc.ttt_steps)])
     return {"loss_sum_T": loss_sum_T, "correct_T": correct_T, "valid_T": valid_T, "reached_T": reached_T,
-            "chain_T": alive_T, "kept_T": trained_T, "mask_T": mask_T, "grad_norm": grad_norm.detach().float(), "tokens": sum(b.num_tokens for b in batches)}
+            "chain_T": alive_T, "kept_T": trained_T, "mask_T": mask_T, "grad_norm": grad_norm.detach().float(),
+            "tokens": sum(b.num_tokens for b in batches)}
 
 
 def raise_non_finite(step: int, batches: list[Batch], loss_sum_T: torch.Tensor, grad_norm: torch.Tensor) -> None:
@@ -403,7 +404,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             windows.loader_s = 0.0
             log.write(last_train)
             if tr.rank == 0:
-                share = rec["trained_share_T"]  # under align_top_k: step 1's and the last step's
+                share = rec["trained_share_T"]  # under align_top_k: the second TTT step's and the last one's
                 trained = f"trained {share[1]:.2f}..{share[-1]:.2f} " if tc.align_top_k and len(share) > 1 else ""
                 print(f"[eyas:train] step {done}/{sched.total} loss {rec['loss']:.4f} acc0 {rec['acc_T'][0]:.3f} "
                       f"tau {rec['tau']:.3f} chain rows {rec['tau_chain_rows']:.3f} lr {last_train['lr']:.2e} "
