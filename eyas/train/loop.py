@@ -186,8 +186,9 @@ def summarize(sums: dict[str, torch.Tensor], weights_T: torch.Tensor) -> dict[st
         "tau_chain_rows": chain_length(chain, mask[0]),
         "valid_T": [int(v) for v in valid],
         # the share of valid rows each step's loss trained on: 1 but under align_top_k, whose mask
-        # keeps few rows of the later steps while the draft is still poor (a draft from scratch)
-        "trained_share_T": [k / max(v, 1) for k, v in zip(kept, valid)],
+        # keeps few rows of the later steps while the draft is still poor (a draft from scratch); 1 where
+        # a step has no valid rows
+        "trained_share_T": [k / v if v else 1.0 for k, v in zip(kept, valid)],
     }
 
 
