@@ -89,7 +89,8 @@ class Trainer:
 
 
 COUNTERS = ("loss_sum_T", "correct_T", "valid_T", "reached_T", "chain_T", "kept_T", "mask_T")
-"""Per-TTT-step sums `train_step` returns and `summarize` turns into metrics (mask_T on the host)."""
+"""Per-TTT-step sums `train_step` returns and `summarize` turns into metrics (mask_T on the host); the
+first six in the order `loss.step_terms` returns them."""
 
 
 def num_valid(top1_N: torch.Tensor, tix_T: list[torch.Tensor]) -> torch.Tensor:
@@ -203,13 +204,8 @@ def evaluate(tr: Trainer, loader, max_batches: int = 0) -> dict[str, Any]:
             break
         b = tr.prepare(b)
         p_NW, top1_N = tr.teacher(b)
-        ls_T, cor_T, val_T, reach_T, chain_T, kept_T = terms(tr, b, tr.forward(b), p_NW, top1_N)
-        sums["loss_sum_T"] += ls_T
-        sums["correct_T"] += cor_T
-        sums["valid_T"] += val_T
-        sums["reached_T"] += reach_T
-        sums["chain_T"] += chain_T
-        sums["kept_T"] += kept_T
+        for k, sum_T in zip(COUNTERS, terms(tr, b, tr.forward(b), p_NW, top1_N)):  # in COUNTERS' order, mask_T aside
+            sums[k] += sum_T
         sums["mask_T"] += torch.tensor([len(r) for r in b.rows_T], dtype=torch.float64)
     tr.model.train()
     return summarize(sums, tr.weights_T)
