@@ -71,8 +71,13 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def smollm2_dir(log=print) -> Path:
-    """The bf16 safetensors HF directory of SmolLM2-135M-Instruct, converting the GGUF on first use."""
+def _log_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def smollm2_dir(log=_log_stderr) -> Path:
+    """The bf16 safetensors HF directory of SmolLM2-135M-Instruct, converting the GGUF on first use
+    (saying so on stderr: stdout stays the caller's, e.g. `$(python -c "...print(smollm2_dir())")`)."""
     gguf = package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF)
     digest = sha256_file(gguf)
     if digest != SMOLLM2_SHA256:

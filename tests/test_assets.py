@@ -1,0 +1,24 @@
+"""The embedded assets (eyas/assets.py) as scripts use them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_smollm2_dir_prints_only_the_path_on_stdout_when_it_converts(tmp_path):
+    """bench/smollm2_carry.sh reads the directory as `$(python -c "...print(smollm2_dir())")`; on a
+    fresh machine the one-time conversion's line went to stdout too and the script copied from a
+    path that began with it (session 26). The line belongs on stderr."""
+    env = {**os.environ, "EYAS_CACHE_DIR": str(tmp_path / "cache")}
+    code = "from eyas import assets; print(assets.smollm2_dir())"
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "converting" in first.stderr
+    out = Path(first.stdout.strip())
+    assert first.stdout.count("\n") == 1 and out.parent == tmp_path / "cache"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert again.stdout == first.stdout and "converting" not in again.stderr
