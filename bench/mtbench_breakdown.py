@@ -1,8 +1,9 @@
-"""Chain tau of an `eyas evaluate` run on MT-bench by turn and by category: new tokens over verify
-passes of the prompts in each group (from the decoded chain's records, or from the simulated ones
-of `teacher_forced.prompts` when the run was `--evaluate.mode=simulate`).
+"""Chain (or tree) tau of an `eyas evaluate` run on MT-bench by turn and by category: new tokens
+over verify passes of the prompts in each group (from the decoded chain's records, or from the
+simulated ones of `teacher_forced.prompts` when the run was `--evaluate.mode=simulate`; with
+`--mode tree` the tree's records, or the simulated tree's `teacher_forced.tree.prompts`).
 
-    python bench/mtbench_breakdown.py RUN_DIR/evaluate/results.json [MORE results.json ...]
+    python bench/mtbench_breakdown.py RUN_DIR/evaluate/results.json [MORE results.json ...] [--mode tree]
 
 With several files, one column per file (e.g. two drafts on the same outputs).
 """
@@ -17,15 +18,17 @@ from pathlib import Path
 from eyas.assets import mtbench_path
 
 
-def prompt_counts(results: dict) -> list[tuple[str, int, int, int]]:
+def prompt_counts(results: dict, mode: str = "chain") -> list[tuple[str, int, int, int]]:
     """-> (question id, turn, new tokens, verify passes) per prompt."""
-    chain = [r for r in results["records"] if "chain" in r]
-    if chain:
-        return [(r["id"], r["turn"], r["chain"]["new_tokens"], r["chain"]["verify_passes"]) for r in chain]
+    decoded = [r for r in results["records"] if mode in r]
+    if decoded:
+        return [(r["id"], r["turn"], r[mode]["new_tokens"], r[mode]["verify_passes"]) for r in decoded]
     tf = results.get("teacher_forced") or {}
-    if not tf.get("prompts"):
-        raise SystemExit("no chain records and no teacher_forced.prompts in this results.json")
-    return [(p["id"], p["turn"], p["new_tokens"], p["verify_passes"]) for p in tf["prompts"]]
+    sim = tf if mode == "chain" else tf.get("tree") or {}
+    if not sim.get("prompts"):
+        where = "teacher_forced.prompts" if mode == "chain" else "teacher_forced.tree.prompts"
+        raise SystemExit(f"no {mode} records and no {where} in this results.json")
+    return [(p["id"], p["turn"], p["new_tokens"], p["verify_passes"]) for p in sim["prompts"]]
 
 
 def groups(counts, category: dict[str, str]) -> dict[str, float]:
@@ -37,7 +40,7 @@ def groups(counts, category: dict[str, str]) -> dict[str, float]:
     return {g: new / max(passes, 1) for g, (new, passes) in sums.items()}
 
 
-def main(paths: list[str]) -> None:
+def main(paths: list[str], mode: str = "chain") -> None:
     category = {str(q["question_id"]): q["category"]
                 for q in map(json.loads, filter(str.strip, Path(mtbench_path()).read_text().splitlines()))}
     columns = []
@@ -46,7 +49,7 @@ def main(paths: list[str]) -> None:
         bench = results["settings"]["bench"]
         if bench not in ("mtbench", "embedded:mtbench"):
             raise SystemExit(f"{p}: evaluated on {bench!r}, not MT-bench: no categories to split by")
-        columns.append(groups(prompt_counts(results), category))
+        columns.append(groups(prompt_counts(results, mode), category))
     names = ["all", "turn 1", "turn 2", *sorted({g for c in columns for g in c} - {"all", "turn 1", "turn 2"})]
     print("| group | " + " | ".join(paths) + " |")
     print("| --- |" + " --- |" * len(paths))
@@ -57,4 +60,6 @@ def main(paths: list[str]) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", help="results.json of `eyas evaluate` runs on MT-bench")
-    main(ap.parse_args().results)
+    ap.add_argument("--mode", choices=("chain", "tree"), default="chain")
+    args = ap.parse_args()
+    main(args.results, args.mode)

@@ -528,7 +528,8 @@ def collect_results(
 
 @torch.no_grad()
 def teacher_forced_chain(
-    target, draft, k: int, ref_runs: list[dict[str, Any]], chain_runs: list[dict[str, Any]]
+    target, draft, k: int, ref_runs: list[dict[str, Any]], chain_runs: list[dict[str, Any]] | None,
+    tree: tuple[int, int, int] | None = None, tree_runs: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The greedy chain decoder with k drafts simulated on the greedy outputs of `ref_runs`
     (eyas.spec.simulate): per prompt one plain target forward (aux states, eyas.capture) and one
@@ -538,9 +539,11 @@ def teacher_forced_chain(
     its lower bound); `prompts`: each prompt's simulated passes and tokens, for splits by turn.
     Where chain_runs[i] decoded the same prompt into the same output, its measured passes are
     compared with the simulated ones (`SimulatedChain.matches`); chain_runs None
-    (evaluate.mode=simulate): nothing to compare."""
+    (evaluate.mode=simulate): nothing to compare. `tree` = (total_tokens, depth, top_k): the greedy
+    tree decoder simulated too (eyas.spec.simulate.simulate_tree, from the same aux states), under
+    "tree", compared with `tree_runs` the same way."""
     from eyas.capture import capture
-    from eyas.spec.simulate import label_mask, simulate_chain, teacher_forced_steps
+    from eyas.spec.simulate import label_mask, simulate_chain, simulate_tree, teacher_forced_steps
     from eyas.train.loss import acceptance_length
 
     t0 = time.perf_counter()
@@ -548,29 +551,25 @@ def teacher_forced_chain(
     layer_ids = list(draft.config.aux_layer_ids)
     correct_T = torch.zeros(k, dtype=torch.long, device=device)
     valid_T = torch.zeros(k, dtype=torch.long, device=device)
-    pooled, compared, mismatches, prompts = SpecStats(), 0, [], []
-    for ref, run in zip(ref_runs, chain_runs if chain_runs is not None else [None] * len(ref_runs)):
+    chain, trees, tree_s = _SimulatedPasses(), _SimulatedPasses(), 0.0
+    none = [None] * len(ref_runs)
+    for ref, run, trun in zip(ref_runs, chain_runs or none, tree_runs or none):
         start = len(ref["prompt_ids"])
         ids_S = torch.tensor(ref["prompt_ids"] + ref["gen"].tokens, device=device)
         try:
             aux_1SKD, _ = capture(target, ids_S[None], layer_ids=layer_ids)
             correct_TS = teacher_forced_steps(draft, aux_1SKD[0], ids_S, k, first_label=start)
+            if tree is not None:
+                tt = time.perf_counter()
+                trees.add(simulate_tree(draft, aux_1SKD[0], ids_S, start, ids_S.shape[0], tree[2], tree[1], tree[0]),
+                          ref, trun)
+                tree_s += time.perf_counter() - tt
         except Exception as e:  # which prompt: the caller records type, message and the chained traceback
             raise EyasError(f"question {ref['id']} turn {ref['turn']} ({ids_S.shape[0]} tokens): "
                             f"{type(e).__name__}: {exception_message(e)}") from e
         correct_T += correct_TS.sum(1)
         valid_T += label_mask(k, ids_S.shape[0], start, device).sum(1)
-        sim = simulate_chain(correct_TS, start, ids_S.shape[0], k)  # one host copy per prompt
-        stats = sim.stats()
-        pooled.merge(stats)
-        prompts.append({"id": ref["id"], "turn": ref["turn"], "verify_passes": stats.verify_passes,
-                        "new_tokens": stats.new_tokens})
-        if run is not None and run["prompt_ids"] == ref["prompt_ids"] and run["gen"].tokens == ref["gen"].tokens:
-            compared += 1
-            if not sim.matches(run["gen"].stats):
-                mismatches.append({"id": run["id"], "turn": run["turn"], "simulated": sim.accepted,
-                                   "last_is_lower_bound": sim.last_is_lower_bound,
-                                   "decoder_histogram": list(run["gen"].stats.accept_counts)})
+        chain.add(simulate_chain(correct_TS, start, ids_S.shape[0], k), ref, run)  # one host copy per prompt
     acc = (correct_T / valid_T.clamp(min=1)).tolist()
     return {
         "outputs": "target_only" if ref_runs is not chain_runs else "chain",
@@ -579,17 +578,46 @@ def teacher_forced_chain(
         "acc": acc,
         "num_positions": valid_T.tolist(),
         "tau_hat": acceptance_length(acc),
-        "tau_sim": pooled.tau,
-        "verify_passes": pooled.verify_passes,
-        "acceptance_per_position": pooled.acceptance_per_position(),
-        "accept_length_histogram": list(pooled.accept_counts),
-        "num_compared": compared,
-        "num_matching": compared - len(mismatches),
-        "matches_decoder": not mismatches if compared else None,
-        "mismatches": mismatches,
-        "prompts": prompts,
+        **chain.fields(),
+        "tree": None if tree is None else {
+            "tree_total_tokens": tree[0], "tree_depth": tree[1], "tree_top_k": tree[2], **trees.fields(),
+            "wall_s": tree_s,
+        },
         "wall_s": time.perf_counter() - t0,
     }
+
+
+class _SimulatedPasses:
+    """One simulated decoder's passes pooled over prompts, and where a decoder produced the same
+    output for a prompt, whether its measured passes are the simulated ones (`matches`)."""
+
+    def __init__(self) -> None:
+        self.pooled, self.compared, self.mismatches, self.prompts = SpecStats(), 0, [], []
+
+    def add(self, sim, ref: dict[str, Any], run: dict[str, Any] | None) -> None:
+        stats = sim.stats()
+        self.pooled.merge(stats)
+        self.prompts.append({"id": ref["id"], "turn": ref["turn"], "verify_passes": stats.verify_passes,
+                             "new_tokens": stats.new_tokens})
+        if run is not None and run["prompt_ids"] == ref["prompt_ids"] and run["gen"].tokens == ref["gen"].tokens:
+            self.compared += 1
+            if not sim.matches(run["gen"].stats):
+                self.mismatches.append({"id": run["id"], "turn": run["turn"], "simulated": sim.accepted,
+                                        "last_is_lower_bound": sim.last_is_lower_bound,
+                                        "decoder_histogram": list(run["gen"].stats.accept_counts)})
+
+    def fields(self) -> dict[str, Any]:
+        return {
+            "tau_sim": self.pooled.tau,
+            "verify_passes": self.pooled.verify_passes,
+            "acceptance_per_position": self.pooled.acceptance_per_position(),
+            "accept_length_histogram": list(self.pooled.accept_counts),
+            "num_compared": self.compared,
+            "num_matching": self.compared - len(self.mismatches),
+            "matches_decoder": not self.mismatches if self.compared else None,
+            "mismatches": self.mismatches,
+            "prompts": self.prompts,
+        }
 
 
 def decode_questions(
@@ -657,15 +685,17 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     phase_s["compare"] = time.perf_counter() - tc
     results["tie_tolerance"] = rel_tol
     results["teacher_forced"] = None
-    if ec.teacher_forced and ec.temperature == 0 and ("chain" in spec_runs or simulate):
-        # on the target-only outputs when they were decoded, else on the chain's own (greedy) ones
-        ref_runs = base_runs if base_runs is not None else spec_runs["chain"]
+    sim_tree = ec.simulate_tree and ("tree" in spec_runs or simulate)
+    if ec.teacher_forced and ec.temperature == 0 and ("chain" in spec_runs or simulate or sim_tree):
+        # on the target-only outputs when they were decoded, else on a decoder's own (greedy) ones
+        ref_runs = base_runs if base_runs is not None else spec_runs.get("chain") or spec_runs["tree"]
         print(f"[eyas:evaluate] decoded in {phase_s['decode']:.1f} s, compared in {phase_s['compare']:.1f} s; "
               f"teacher-forced check on {len(ref_runs)} prompts", flush=True)
         tt = time.perf_counter()
         try:
+            tree = (ec.tree_total_tokens, ec.tree_depth, ec.tree_top_k) if sim_tree else None
             results["teacher_forced"] = teacher_forced_chain(s.target, s.draft, ec.num_draft_tokens, ref_runs,
-                                                             spec_runs.get("chain"))
+                                                             spec_runs.get("chain"), tree, spec_runs.get("tree"))
         except Exception as e:  # a diagnostic: keep the decoding results, fail the run after writing them
             results["teacher_forced"] = {"error": describe_exception(e)}
             print(f"[eyas:evaluate] the teacher-forced check failed: {type(e).__name__}: {exception_message(e)}\n"
@@ -674,6 +704,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     results["phase_s"] = phase_s
     tf = results["teacher_forced"]
     results["tau_chain_simulated"] = tf["tau_sim"] if tf and "error" not in tf else None
+    results["tau_tree_simulated"] = tf["tree"]["tau_sim"] if tf and "error" not in tf and tf["tree"] else None
     results["num_questions"] = done
     results["questions_requested"] = len(questions)
     results["stopped_early"] = done < len(questions)
@@ -709,6 +740,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
             "prompts": results["num_prompts"],
             **{f"tau_{m}": results[f"tau_{m}"] for m in modes},
             **({"tau_chain_simulated": results["tau_chain_simulated"]} if simulate else {}),
+            **({"tau_tree_simulated": results["tau_tree_simulated"]} if results["tau_tree_simulated"] else {}),
         },
     )
     print(format_table(results))
@@ -755,13 +787,21 @@ def format_table(results: dict[str, Any]) -> str:
     if tf and "error" in tf:
         lines.append(f"teacher-forced check failed: {tf['error']['type']}: {tf['error']['message']}")
     elif tf:
-        agree = (f"matches decoder on {tf['num_matching']} of {tf['num_compared']} prompts" if tf["num_compared"]
-                 else "simulated; no chain decoded to compare (evaluate.mode=simulate)" if not results["modes"]
-                 else "no prompt where the chain output is the reference output")
+        def agree(t, mode: str) -> str:
+            return (f"matches decoder on {t['num_matching']} of {t['num_compared']} prompts" if t["num_compared"]
+                    else f"simulated; no {mode} decoded to compare (evaluate.mode=simulate)" if not results["modes"]
+                    else f"simulated; no {mode} decoded to compare" if mode not in results["modes"]
+                    else f"no prompt where the {mode} output is the reference output")
+
         sim_cond = " ".join(f"{p['conditional']:.2f}" for p in tf["acceptance_per_position"])
         lines.append(f"teacher-forced on {tf['outputs'].replace('_', '-')} outputs: acc "
                      f"{' '.join(f'{a:.2f}' for a in tf['acc'])} tau_hat {tf['tau_hat']:.2f}; "
-                     f"simulated chain tau {tf['tau_sim']:.3f}, P(accept | reached) {sim_cond} ({agree})")
+                     f"simulated chain tau {tf['tau_sim']:.3f}, P(accept | reached) {sim_cond} ({agree(tf, 'chain')})")
+        if tf.get("tree"):
+            t = tf["tree"]
+            t_cond = " ".join(f"{p['conditional']:.2f}" for p in t["acceptance_per_position"])
+            lines.append(f"simulated tree {t['tree_total_tokens']}/{t['tree_depth']}/{t['tree_top_k']} tau "
+                         f"{t['tau_sim']:.3f}, P(accept | reached) {t_cond} ({agree(t, 'tree')})")
     if results["lossless_checked"]:
         lines.append(f"lossless (greedy == target-only greedy on every prompt): {results['lossless']}")
         if results["num_divergent"]:

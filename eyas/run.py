@@ -14,7 +14,8 @@ repeated, unless `accept_partial` names it (its output is then used as it is); a
 makes every stage after it run again on the new output (each meta.json records the hash of the
 meta.json of the output it was made from, so this holds across runs). RUN_DIR holds one
 subdirectory per stage, `run.log` (everything printed) and `summary.json` (per-stage wall time and
-throughput, tau_chain, tau_tree, tau_chain_simulated, acceptance_per_position, lossless, speedup).
+throughput, tau_chain, tau_tree, tau_chain_simulated, tau_tree_simulated,
+acceptance_per_position, lossless, speedup).
 """
 
 from __future__ import annotations
@@ -345,11 +346,12 @@ def _evaluation(eval_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ArtifactError(f"{path} is missing: the evaluate stage wrote no results")
     res = json.loads(path.read_text())
-    keys = ("tau_chain", "tau_tree", "tau_chain_simulated", "acceptance_per_position", "lossless",
+    keys = ("tau_chain", "tau_tree", "tau_chain_simulated", "tau_tree_simulated", "acceptance_per_position", "lossless",
             "lossless_up_to_ties", "num_divergent", "num_divergent_near_tie", "speedup")
     out = {k: res.get(k) for k in keys}  # the un-suffixed ones: the tree's when it ran (results.json's primary mode)
     tf = res.get("teacher_forced") or {}
     out["acceptance_per_position_chain_simulated"] = tf.get("acceptance_per_position")
+    out["acceptance_per_position_tree_simulated"] = (tf.get("tree") or {}).get("acceptance_per_position")
     for mode, m in (res.get("modes") or {}).items():
         out[f"acceptance_per_position_{mode}"] = m.get("acceptance_per_position")
         out[f"speedup_{mode}"] = m.get("speedup")
@@ -378,6 +380,11 @@ def print_summary(rec: dict[str, Any]) -> None:
         acc = [a["conditional"] for a in rec.get("acceptance_per_position_chain_simulated") or []]
         lines.append(f"  {'chain':<11} tau {rec['tau_chain_simulated']:.3f} simulated from the teacher-forced draft "
                      "(evaluate.mode=simulate)  P(accept | reached) per draft position: " + " ".join(f"{a:.2f}" for a in acc))
+    if rec.get("tau_tree_simulated") is not None and rec.get("tau_tree") is None:
+        acc = [a["conditional"] for a in rec.get("acceptance_per_position_tree_simulated") or []]
+        lines.append(f"  {'tree':<11} tau {rec['tau_tree_simulated']:.3f} simulated pass by pass on the target's "
+                     "outputs (evaluate.mode=simulate)  P(accept | reached) per tree depth: "
+                     + " ".join(f"{a:.2f}" for a in acc))
     decoded = rec.get("tau_chain") is not None or rec.get("tau_tree") is not None  # not evaluate.mode=simulate
     if "lossless" in rec and (decoded or rec.get("tau_chain_simulated") is None):
         lines.append(f"  lossless    {rec['lossless']}" + (

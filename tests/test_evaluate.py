@@ -323,6 +323,7 @@ def test_simulate_mode_gives_the_chain_decoders_passes_without_decoding(tiny_run
         save_draft(draft, tmp_path / "fitted")
         args = (f"--draft={tmp_path / 'fitted'}", "--max_new_tokens=12", "--num_questions=2")
         assert main(_args(root, "--mode=chain", f"--out_dir={tmp_path / 'chain'}", *args)) == 0
+        assert main(_args(root, "--mode=tree", f"--out_dir={tmp_path / 'tree'}", *args)) == 0
         capsys.readouterr()
         assert main(_args(root, "--mode=simulate", f"--out_dir={tmp_path / 'sim'}", *args)) == 0
         printed = capsys.readouterr().out
@@ -347,11 +348,24 @@ def test_simulate_mode_gives_the_chain_decoders_passes_without_decoding(tiny_run
     assert sim["tau_chain_simulated"] == tf["tau_sim"] <= chain["tau_chain"]
     assert chain["tau_chain"] - tf["tau_sim"] <= 3 * 3 / ref["verify_passes"]  # at most k per prompt
     assert json.loads((tmp_path / "sim" / "meta.json").read_text())["counts"]["tau_chain_simulated"] == tf["tau_sim"]
-    # eyas run's summary names the simulated tau and prints no lossless verdict for it
+    # the tree decoder simulated pass by pass (evaluate.simulate_tree): per prompt the passes of a
+    # tree-mode run, which compared its own passes with the simulation on its own outputs
+    tree = json.loads((tmp_path / "tree" / "results.json").read_text())
+    tt, tref = tf["tree"], tree["modes"]["tree"]
+    own = tree["teacher_forced"]["tree"]
+    assert own["matches_decoder"] is True and own["num_compared"] == 3
+    assert sum(tref["accept_length_histogram"][2:]) > 0  # paths of two or more drafts
+    decoded = {(r["id"], r["turn"]): r["tree"]["verify_passes"] for r in tree["records"]}
+    assert {(p["id"], p["turn"]): p["verify_passes"] for p in tt["prompts"]} == decoded
+    assert tt["verify_passes"] == tref["verify_passes"]
+    assert sim["tau_tree_simulated"] == tt["tau_sim"] <= tree["tau_tree"]
+    assert "simulated tree 6/3/3 tau" in printed and "no tree decoded to compare" in printed
+    # eyas run's summary names the simulated taus and prints no lossless verdict for them
     print_summary({"run_dir": "r", "stages": {}, **_evaluation(tmp_path / "sim")})
     summary = capsys.readouterr().out
     cond = " ".join(f"{p['conditional']:.2f}" for p in tf["acceptance_per_position"])
     assert f"tau {tf['tau_sim']:.3f} simulated" in summary and cond in summary and "lossless" not in summary
+    assert f"tree        tau {tt['tau_sim']:.3f} simulated pass by pass" in summary
     # evaluate.target_outputs: the same draft on the outputs stored by the simulate run (and by the
     # chain run: its target-only baseline) gives the same teacher-forced pass without decoding
     for source in ("sim", "chain"):

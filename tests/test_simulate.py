@@ -19,7 +19,16 @@ import eyas.spec.simulate as simulate
 from eyas.capture import capture
 from eyas.evaluate import format_table, teacher_forced_chain
 from eyas.spec import Generation, SpecStats, speculative_generate, target_generate
-from eyas.spec.simulate import SimulatedChain, label_mask, simulate_chain, teacher_forced_steps
+from eyas.spec.simulate import (
+    SimulatedChain,
+    SimulatedTree,
+    greedy_walk_argmax,
+    label_mask,
+    simulate_chain,
+    simulate_tree,
+    teacher_forced_steps,
+)
+from eyas.spec.tree import Tree, accept_greedy_tree
 from eyas.train.loss import acceptance_length
 from export_helpers import fitted_draft
 from spec_helpers import tiny_llama
@@ -204,3 +213,108 @@ def test_evaluate_teacher_forced_block(decoded):
     tf = teacher_forced_chain(target, draft, K, ref_runs, [other, bad, chain_runs[2]])
     assert (tf["num_compared"], tf["num_matching"], tf["matches_decoder"]) == (2, 1, False)
     assert [(m["id"], m["turn"]) for m in tf["mismatches"]] == [("1", 0)]
+
+
+TREE = (10, 4, 3)  # total tokens, depth, top-k: small enough that the draft's misses show
+
+
+@pytest.fixture(scope="module")
+def tree_decoded(decoded):
+    """The same target, draft and prompts decoded by the real tree decoder (eager, float32), with
+    its (accepted, tested) per verify pass."""
+    target, draft, runs = decoded
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    add_pass, out = SpecStats.add_pass, []
+    for run in runs:
+        passes = []
+
+        def record(self, n, tested, passes=passes):
+            passes.append((n, tested))
+            add_pass(self, n, tested)
+
+        with mock.patch.object(SpecStats, "add_pass", record):
+            gen = speculative_generate(target, draft, torch.tensor(run["prompt"]), max_new_tokens=MAX_NEW, mode="tree",
+                                       tree_total_tokens=TREE[0], tree_depth=TREE[1], tree_top_k=TREE[2])
+        p = len(run["prompt"])
+        assert gen.tokens == run["seq"][p : p + MAX_NEW]  # lossless
+        out.append({"gen": gen, "passes": passes})
+    yield target, draft, runs, out
+    torch.set_num_threads(threads)
+
+
+def simulated_tree(target, draft, run, aux_shift: int = 0) -> SimulatedTree:
+    ids_S = torch.tensor(run["seq"])
+    aux_1SKD, _ = capture(target, ids_S[None], layer_ids=AUX)
+    aux_SKD = torch.roll(aux_1SKD[0], aux_shift, dims=0)
+    p = len(run["prompt"])
+    return simulate_tree(draft, aux_SKD, ids_S, p, p + MAX_NEW, TREE[2], TREE[1], TREE[0])
+
+
+def test_tree_simulation_equals_the_tree_decoder_pass_for_pass(tree_decoded):
+    """float32: the simulated tree passes (the real draft tree per pass, the known output in place
+    of the target's verify) accept and test what the decoder's did, pass for pass."""
+    target, draft, runs, trees = tree_decoded
+    lengths = []
+    for run, dec in zip(runs, trees):
+        sim = simulated_tree(target, draft, run)
+        assert list(zip(sim.accepted, sim.tested)) == dec["passes"]
+        assert not sim.last_is_lower_bound and sim.matches(dec["gen"].stats)
+        lengths += sim.accepted
+    # a test that can fail: passes of many lengths, up to the whole depth
+    assert min(lengths) <= 1 and max(lengths) == TREE[1] and len(set(lengths)) >= 3, lengths
+
+
+def test_tree_simulation_with_aux_states_one_row_off_differs(tree_decoded):
+    """Step 0 fed the aux states of the position before or after: the passes no longer match."""
+    target, draft, runs, trees = tree_decoded
+    for shift in (1, -1):
+        assert any(simulated_tree(target, draft, run, shift).accepted != [n for n, _ in dec["passes"]]
+                   for run, dec in zip(runs, trees)), shift
+
+
+def test_greedy_walk_hand_computed():
+    """Root at position 2 of seq = [5, 6, 7, 8, 9, 4]; nodes: 1 (8, right), 2 (3, wrong), 3 (9 under
+    node 1, right), 4 (4 under node 2: the right token on a wrong path), 5 (1 under node 3, wrong).
+    The walk reads argmax 8 at the root, 9 at node 1, 4 at node 3: path [1, 3], emits 4."""
+    tree = Tree([7, 8, 3, 9, 4, 1], [-1, 0, 0, 1, 2, 3], [0, 1, 1, 2, 2, 3])
+    seq = [5, 6, 7, 8, 9, 4]
+    argmax = greedy_walk_argmax(tree, seq, 2)
+    assert argmax == [8, 9, -1, 4, -1, -1]
+    assert accept_greedy_tree(tree, torch.tensor(argmax)) == ([1, 3], 4)
+    # the known tokens end at 9: node 3's argmax is unknown, the walk stops there (a lower bound)
+    argmax = greedy_walk_argmax(tree, seq[:5], 2)
+    assert argmax == [8, 9, -1, -1, -1, -1] and accept_greedy_tree(tree, torch.tensor(argmax)) == ([1, 3], -1)
+
+
+def test_evaluate_teacher_forced_block_with_the_tree(tree_decoded):
+    """teacher_forced_chain with `tree`: the pooled simulated tree equals the decoders' pooled
+    counters, every prompt compared and matching; a tree decoder with one pass fewer is reported."""
+    target, draft, runs, trees = tree_decoded
+    ref_runs, tree_runs = [], []
+    for i, (run, dec) in enumerate(zip(runs, trees)):
+        start = len(run["prompt"])
+        rec = {"id": str(i), "turn": 0, "prompt_ids": run["prompt"]}
+        ref_runs.append({**rec, "gen": Generation(run["seq"][start : start + MAX_NEW], 0.0)})
+        tree_runs.append({**rec, "gen": dec["gen"]})
+    tf = teacher_forced_chain(target, draft, K, ref_runs, None, TREE, tree_runs)
+    t = tf["tree"]
+    assert (t["num_compared"], t["num_matching"], t["matches_decoder"]) == (3, 3, True)
+    pooled = SpecStats()
+    for dec in trees:
+        pooled.merge(dec["gen"].stats)
+    # the outputs end at MAX_NEW: a last pass whose walk reaches that end counts its lower bound
+    assert t["tau_sim"] <= pooled.tau and t["verify_passes"] == pooled.verify_passes
+    assert [p["verify_passes"] for p in t["prompts"]] == [len(dec["passes"]) for dec in trees]
+    line = next(x for x in format_table({"modes": {}, "target_only_wall_s": None, "lossless_checked": False,
+                                         "teacher_forced": tf}).splitlines() if x.startswith("simulated tree"))
+    assert line.startswith(f"simulated tree 10/4/3 tau {t['tau_sim']:.3f}, P(accept | reached) ")
+    assert line.endswith("(matches decoder on 3 of 3 prompts)")
+
+    bad_stats = SpecStats()
+    for n, tested in trees[2]["passes"][:-1]:
+        bad_stats.add_pass(n, tested)
+    bad = dict(tree_runs[2], gen=Generation(tree_runs[2]["gen"].tokens, 0.0, bad_stats))
+    tf = teacher_forced_chain(target, draft, K, ref_runs, None, TREE, [tree_runs[0], tree_runs[1], bad])
+    assert (tf["tree"]["num_matching"], tf["tree"]["matches_decoder"]) == (2, False)
+    assert [m["id"] for m in tf["tree"]["mismatches"]] == ["2"]

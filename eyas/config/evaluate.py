@@ -27,12 +27,13 @@ class EvaluateConfig:
     """chain (num_draft_tokens tokens per step), tree (EAGLE-2 dynamic tree), both, or simulate:
     no speculative decoding, only target-only greedy decoding (whatever measure_speedup and
     lossless_check say) and the chain decoder simulated from the draft's teacher-forced forward on
-    its outputs (`teacher_forced`; results.json `tau_chain_simulated`): greedy only, no tree, no
-    speedup, no lossless check; the chain and tree decoding time saved (SmolLM2 on MT-bench, one
-    H200, session 11: 195 s of the stage's 454). In float32 its passes are the chain decoder's; in
-    bf16 they matched on 69-72 of 88 prompts with identical outputs, and it reads a little low (each
-    prompt's last pass counts its lower bound): 3.00 against 3.04 measured (session 10), 2.95
-    against 2.98 (session 11), 3.22 against 3.28 (session 12; BENCHMARKS.md)."""
+    its outputs (`teacher_forced`; results.json `tau_chain_simulated`; with `simulate_tree` the tree
+    decoder's too, `tau_tree_simulated`): greedy only, no speedup, no lossless check; the chain and
+    tree decoding time saved (SmolLM2 on MT-bench, one H200, session 11: 195 s of the stage's 454).
+    In float32 its passes are the chain decoder's; in bf16 they matched on 69-72 of 88 prompts with
+    identical outputs, and it reads a little low (each prompt's last pass counts its lower bound):
+    3.00 against 3.04 measured (session 10), 2.95 against 2.98 (session 11), 3.22 against 3.28
+    (session 12; BENCHMARKS.md)."""
     num_draft_tokens: int = 7
     """Chain mode: draft tokens proposed per verify pass."""
     tree_total_tokens: int = 60
@@ -72,6 +73,13 @@ class EvaluateConfig:
     with the measured chain's accepted-length histogram and per-position counts (results.json
     `teacher_forced`; see eyas/spec/simulate.py). One target forward and one draft TTT forward per
     prompt."""
+    simulate_tree: bool = True
+    """With `teacher_forced`, in mode tree, both or simulate: also the greedy EAGLE-2 tree decoder
+    (tree_total_tokens, tree_depth, tree_top_k) simulated pass by pass on the same outputs
+    (eyas.spec.simulate.simulate_tree: the real draft tree per pass, the target's verify replaced by
+    the known output), compared with the measured tree's passes where it decoded the same output;
+    results.json `teacher_forced.tree` and `tau_tree_simulated`. It runs the draft's tree once per
+    verify pass: on CPU, minutes for MT-bench's 160 prompts."""
     cuda_graphs: bool = True
     """On CUDA: fixed-size KV caches and CUDA graphs for the target's verify/decode forwards, the
     draft's step 0 and its greedy chain (eyas/spec/static.py), for target-only decoding too.

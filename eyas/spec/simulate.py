@@ -24,6 +24,14 @@ The only input that differs: the decoder's step 0 reads the target's aux states 
 verify forwards, the simulation from one plain forward. In float32 the accepted lengths are equal
 pass for pass (tests/test_simulate.py); in bf16 an argmax may flip where two logits nearly tie.
 
+The tree decoder (EAGLE-2, eyas.spec.generate.tree_round) is simulated pass by pass instead
+(`simulate_tree`): its trees hold draft tokens off the greedy path, which no single forward covers.
+Each pass runs the real draft code (extend, draft_tree) on the draft cache as the decoder does, with
+step 0's aux states taken from the same plain forward; only the target's verify forward is replaced
+by the known greedy output: the walk (accept_greedy_tree) reads the target's argmax at a node only
+when the path to it was accepted, i.e. equals the output, and then that argmax is the next output
+token.
+
 A pass whose drafts run past the known tokens (the last one: the decoder accepts drafts beyond the
 cut output or the stop token, which `seq` does not hold) has only a lower bound on n
 (`SimulatedChain.last_is_lower_bound`).
@@ -36,7 +44,8 @@ from dataclasses import dataclass
 import torch
 
 from eyas.spec.generate import SpecStats
-from eyas.spec.propose import to_target_ids
+from eyas.spec.propose import DraftCache, draft_tree, extend, to_target_ids
+from eyas.spec.tree import Tree, accept_greedy_tree
 from eyas.train.ttt import sdpa_masks, ttt_forward
 
 
@@ -116,3 +125,71 @@ def simulate_chain(correct_TS: torch.Tensor, start: int, end: int, k: int) -> Si
         accepted.append(n)
         L += n + 1
     return SimulatedChain(accepted, lower, k)
+
+
+@dataclass
+class SimulatedTree:
+    accepted: list[int]
+    """Accepted draft tokens of each verify pass, in order."""
+    tested: list[int]
+    """Draft positions each pass tested (tree_round's num_tested: the path, plus one when the last
+    accepted node has children)."""
+    last_is_lower_bound: bool
+    """The last pass's walk reached the end of the known tokens: its n is a lower bound."""
+
+    def stats(self) -> SpecStats:
+        out = SpecStats()
+        for n, t in zip(self.accepted, self.tested):
+            out.add_pass(n, t)
+        return out
+
+    def matches(self, dec: SpecStats) -> bool:
+        """Same passes and counters as the tree decoder's `dec`; a lower-bound last pass matches
+        when the decoder accepted at least as many there (its count from its new-token total)."""
+        sim = self.stats()
+        if not self.last_is_lower_bound:
+            fields = ("verify_passes", "new_tokens", "accept_counts", "reached", "accepted")
+            return all(getattr(sim, f) == getattr(dec, f) for f in fields)
+        n_last = dec.new_tokens - sum(n + 1 for n in self.accepted[:-1]) - 1
+        return dec.verify_passes == sim.verify_passes and n_last >= self.accepted[-1]
+
+
+def greedy_walk_argmax(tree: Tree, seq: list[int], root_pos: int) -> list[int]:
+    """The target's argmax after each node, where the walk can read it: at a node whose path from
+    the root (at position root_pos, = seq[root_pos]) equals seq, the next token of seq; -1 elsewhere
+    (off the greedy path, or past the known tokens)."""
+    on_path = [False] * tree.num_nodes
+    argmax = [-1] * tree.num_nodes
+    for i, (tok, parent, depth) in enumerate(zip(tree.tokens, tree.parents, tree.depths)):
+        pos = root_pos + depth
+        on_path[i] = pos < len(seq) and seq[pos] == tok and (parent < 0 or on_path[parent])
+        if on_path[i] and pos + 1 < len(seq):
+            argmax[i] = seq[pos + 1]
+    return argmax
+
+
+@torch.no_grad()
+def simulate_tree(
+    draft, aux_SKD: torch.Tensor, ids_S: torch.Tensor, start: int, end: int, top_k: int, depth: int, total_tokens: int
+) -> SimulatedTree:
+    """The greedy tree decoder's passes for a prompt of `start` tokens whose decoding stops at `end`
+    tokens, on the known greedy sequence ids_S (S >= end) with the target's aux states aux_SKD of a
+    plain forward over it (see the module docstring)."""
+    s = ids_S.shape[0]
+    assert start < end <= s and aux_SKD.shape[0] == s, (start, end, s, tuple(aux_SKD.shape))
+    seq = ids_S.tolist()
+    dcache = DraftCache()
+    accepted, tested, lower = [], [], False
+    L = start + 1  # the prefill emitted seq[start]
+    while L < end:
+        c = dcache.committed  # step 0 on positions c..L-2, as speculative_generate
+        h_11D = extend(draft, dcache, ids_S[c + 1 : L], aux_SKD[c : L - 1], c)
+        tree = draft_tree(draft, dcache, h_11D, seq[L - 1], L - 2, top_k, depth, total_tokens)
+        dcache.rollback()
+        argmax = greedy_walk_argmax(tree, seq, L - 1)
+        path, tok = accept_greedy_tree(tree, torch.tensor(argmax))
+        lower = tok < 0  # the walk stopped only because the known tokens ended
+        accepted.append(len(path))
+        tested.append(len(path) + (1 if tree.children()[path[-1] if path else 0] else 0))
+        L += len(path) + 1
+    return SimulatedTree(accepted, tested, lower)
