@@ -572,7 +572,7 @@ def teacher_forced_chain(
         chain.add(simulate_chain(correct_TS, start, ids_S.shape[0], k), ref, run)  # one host copy per prompt
     acc = (correct_T / valid_T.clamp(min=1)).tolist()
     return {
-        "outputs": "target_only" if ref_runs is not chain_runs else "chain",
+        "outputs": "chain" if ref_runs is chain_runs else "tree" if ref_runs is tree_runs else "target_only",
         "num_draft_tokens": k,
         "num_prompts": len(ref_runs),
         "acc": acc,
@@ -688,7 +688,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     sim_tree = ec.simulate_tree and ("tree" in spec_runs or simulate)
     if ec.teacher_forced and ec.temperature == 0 and ("chain" in spec_runs or simulate or sim_tree):
         # on the target-only outputs when they were decoded, else on a decoder's own (greedy) ones
-        ref_runs = base_runs if base_runs is not None else spec_runs.get("chain") or spec_runs["tree"]
+        ref_runs = base_runs if base_runs is not None else spec_runs["chain" if "chain" in spec_runs else "tree"]
         print(f"[eyas:evaluate] decoded in {phase_s['decode']:.1f} s, compared in {phase_s['compare']:.1f} s; "
               f"teacher-forced check on {len(ref_runs)} prompts", flush=True)
         tt = time.perf_counter()
@@ -740,7 +740,8 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
             "prompts": results["num_prompts"],
             **{f"tau_{m}": results[f"tau_{m}"] for m in modes},
             **({"tau_chain_simulated": results["tau_chain_simulated"]} if simulate else {}),
-            **({"tau_tree_simulated": results["tau_tree_simulated"]} if results["tau_tree_simulated"] else {}),
+            **({"tau_tree_simulated": results["tau_tree_simulated"]}
+               if results["tau_tree_simulated"] is not None else {}),
         },
     )
     print(format_table(results))

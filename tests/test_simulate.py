@@ -287,6 +287,30 @@ def test_greedy_walk_hand_computed():
     assert argmax == [8, 9, -1, -1, -1, -1] and accept_greedy_tree(tree, torch.tensor(argmax)) == ([1, 3], -1)
 
 
+def _decoder(passes) -> SpecStats:
+    out = SpecStats()
+    for n, tested in passes:
+        out.add_pass(n, tested)
+    return out
+
+
+def test_simulated_tree_matches_hand_computed():
+    """Exact passes match only the same counters (SpecStats' histograms: pass order is not in them);
+    a lower-bound last pass (accepted >= 2) matches a decoder that accepted 2..depth there with the
+    path's or one more tested, and its earlier passes must still be the same: [3, then 4] matches,
+    [2, then 5] (the same passes and tokens) does not."""
+    exact = SimulatedTree([3, 2], [4, 3], False, 8)
+    assert exact.matches(_decoder([(3, 4), (2, 3)])) and exact.matches(_decoder([(2, 3), (3, 4)]))
+    assert not exact.matches(_decoder([(3, 4), (2, 2)])) and not exact.matches(_decoder([(3, 4), (1, 2)]))
+    lower = SimulatedTree([3, 2], [4, 3], True, 8)
+    assert lower.matches(_decoder([(3, 4), (2, 3)])) and lower.matches(_decoder([(3, 4), (4, 5)]))
+    assert lower.matches(_decoder([(3, 4), (4, 4)])) and lower.matches(_decoder([(3, 4), (8, 8)]))
+    assert not lower.matches(_decoder([(2, 3), (5, 6)]))  # 9 tokens in 2 passes, the first pass differs
+    assert not lower.matches(_decoder([(3, 4), (1, 2)]))  # below the bound
+    assert not lower.matches(_decoder([(3, 4), (4, 6)]))  # tested neither 4 nor 5
+    assert not SimulatedTree([3, 2], [4, 3], True, 3).matches(_decoder([(3, 4), (4, 5)]))  # past the depth
+
+
 def test_evaluate_teacher_forced_block_with_the_tree(tree_decoded):
     """teacher_forced_chain with `tree`: the pooled simulated tree equals the decoders' pooled
     counters, every prompt compared and matching; a tree decoder with one pass fewer is reported."""

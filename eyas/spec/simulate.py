@@ -136,22 +136,33 @@ class SimulatedTree:
     accepted node has children)."""
     last_is_lower_bound: bool
     """The last pass's walk reached the end of the known tokens: its n is a lower bound."""
+    depth: int
+    """The tree's depth: the most a pass can accept."""
 
-    def stats(self) -> SpecStats:
+    def stats(self, accepted: list[int] | None = None, tested: list[int] | None = None) -> SpecStats:
         out = SpecStats()
-        for n, t in zip(self.accepted, self.tested):
+        for n, t in zip(self.accepted if accepted is None else accepted, self.tested if tested is None else tested):
             out.add_pass(n, t)
         return out
 
     def matches(self, dec: SpecStats) -> bool:
-        """Same passes and counters as the tree decoder's `dec`; a lower-bound last pass matches
-        when the decoder accepted at least as many there (its count from its new-token total)."""
-        sim = self.stats()
+        """Same passes and counters as the tree decoder's `dec`. A lower-bound last pass takes the
+        decoder's count there (from its new-token total) if it is between the bound and the depth;
+        it tested that many positions, or one more where the last accepted node had children, which
+        the simulation did not see: either matches."""
+        fields = ("verify_passes", "new_tokens", "accept_counts", "reached", "accepted")
         if not self.last_is_lower_bound:
-            fields = ("verify_passes", "new_tokens", "accept_counts", "reached", "accepted")
+            sim = self.stats()
             return all(getattr(sim, f) == getattr(dec, f) for f in fields)
         n_last = dec.new_tokens - sum(n + 1 for n in self.accepted[:-1]) - 1
-        return dec.verify_passes == sim.verify_passes and n_last >= self.accepted[-1]
+        if not self.accepted[-1] <= n_last <= self.depth:
+            return False
+        accepted = [*self.accepted[:-1], n_last]
+        for t_last in {n_last, min(n_last + 1, self.depth)}:
+            sim = self.stats(accepted, [*self.tested[:-1], t_last])
+            if all(getattr(sim, f) == getattr(dec, f) for f in fields):
+                return True
+        return False
 
 
 def greedy_walk_argmax(tree: Tree, seq: list[int], root_pos: int) -> list[int]:
@@ -192,4 +203,4 @@ def simulate_tree(
         accepted.append(len(path))
         tested.append(len(path) + (1 if tree.children()[path[-1] if path else 0] else 0))
         L += len(path) + 1
-    return SimulatedTree(accepted, tested, lower)
+    return SimulatedTree(accepted, tested, lower, depth)
