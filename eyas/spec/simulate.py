@@ -34,7 +34,7 @@ token.
 
 A pass whose drafts run past the known tokens (the last one: the decoder accepts drafts beyond the
 cut output or the stop token, which `seq` does not hold) has only a lower bound on n
-(`SimulatedChain.last_is_lower_bound`).
+(`SimulatedChain.last_is_lower_bound`, `SimulatedTree.last_is_lower_bound`).
 """
 
 from __future__ import annotations
@@ -141,7 +141,8 @@ class SimulatedTree:
 
     def stats(self, accepted: list[int] | None = None, tested: list[int] | None = None) -> SpecStats:
         out = SpecStats()
-        for n, t in zip(self.accepted if accepted is None else accepted, self.tested if tested is None else tested):
+        accepted = self.accepted if accepted is None else accepted
+        for n, t in zip(accepted, self.tested if tested is None else tested):
             out.add_pass(n, t)
         return out
 
