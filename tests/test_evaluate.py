@@ -254,7 +254,13 @@ def test_time_budget_cuts_every_mode_at_the_same_question(tiny_run, monkeypatch,
     lines = [line for line in capsys.readouterr().out.splitlines() if " questions in " in line]
     assert len(lines) == 1 and lines[0].startswith("[eyas:evaluate] 1/2 questions in ") and " tree tau " in lines[0]
     tree_only = json.loads((root / "budget_tree" / "results.json").read_text())
-    assert tree_only["phase_s"]["teacher_forced"] is None and tree_only["teacher_forced"] is None  # no chain: no check
+    # no chain decoded: the check simulates both on the target-only outputs, the tree compared with its decoder
+    tf = tree_only["teacher_forced"]
+    assert tf["num_compared"] == 0 and (tf["tree"]["num_compared"], tf["tree"]["matches_decoder"]) == (2, True)
+    assert main(_args(root, "--mode=tree", "--max_seconds=1e-6", "--simulate_tree=false",
+                      f"--out_dir={root / 'budget_tree_nosim'}")) == 0
+    no_sim = json.loads((root / "budget_tree_nosim" / "results.json").read_text())
+    assert no_sim["phase_s"]["teacher_forced"] is None and no_sim["teacher_forced"] is None  # no chain: no check
     assert (r["num_questions"], r["questions_requested"], r["stopped_early"]) == (1, 2, True)
     assert r["num_prompts"] == 2 and [(rec["id"], rec["turn"]) for rec in r["records"]] == [("1", 0), ("1", 1)]
     assert all(rec["chain"]["lossless"] and rec["tree"]["lossless"] for rec in r["records"])
