@@ -69,7 +69,10 @@
 #               did not finish in a 500 s call (session 13, no result)
 #               The same parts start a training from that draft: TRAIN_ARGS="--train.init_from=/root/init"
 #               at keep, then `STASH=.carry/dN ... stash` for each folder (the last may instead travel
-#               with the first train call when .carry/p3 does not), and that call joins them into /root/init
+#               with the first train call when .carry/p3 does not), and that call joins them into /root/init;
+#               on a fresh machine that call spends ~240 s before its first step (session 26: prepare
+#               63 s with the GGUF's conversion, extract 73 s, the shards' sha256 23 s, the FlexAttention
+#               compile), so start it with a whole call's 600 s left
 #   check       .carry/r2, .carry/cfg (SmolLM2's config + tokenizer, made by smollm2_carry.sh), after `keep`: graph tests,
 #               decoding speed, regenerate/extract/train rates on a random-weight SmolLM2-shaped target
 #   fp32        greedy float32 evaluation of questions $FP32_QUESTIONS (default: those whose bf16
