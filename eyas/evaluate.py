@@ -561,8 +561,9 @@ def teacher_forced_chain(
             correct_TS = teacher_forced_steps(draft, aux_1SKD[0], ids_S, k, first_label=start)
             if tree is not None:
                 tt = time.perf_counter()
-                trees.add(simulate_tree(draft, aux_1SKD[0], ids_S, start, ids_S.shape[0], tree[2], tree[1], tree[0]),
-                          ref, trun)
+                sim = simulate_tree(draft, aux_1SKD[0], ids_S, start, ids_S.shape[0],
+                                    top_k=tree[2], depth=tree[1], total_tokens=tree[0])
+                trees.add(sim, ref, trun)
                 tree_s += time.perf_counter() - tt
         except Exception as e:  # which prompt: the caller records type, message and the chained traceback
             raise EyasError(f"question {ref['id']} turn {ref['turn']} ({ids_S.shape[0]} tokens): "
