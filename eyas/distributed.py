@@ -9,6 +9,7 @@ NCCL on CUDA, gloo on CPU. Models never import this module: stages call it aroun
 
 from __future__ import annotations
 
+import gc
 import os
 from datetime import timedelta
 
@@ -61,4 +62,10 @@ def all_reduce_max(value: float, device: torch.device) -> float:
 
 def compute_cleanup() -> None:
     if dist.is_available() and dist.is_initialized():
+        # DDP/FSDP modules hold the process group in reference cycles: freed only by the garbage
+        # collector, possibly during interpreter shutdown, when the group's C++ threads can no
+        # longer be torn down cleanly. Collect them while the interpreter is whole. (A torchrun
+        # test's rank 1 aborted at exit with "terminate called without an active exception" in
+        # two of this project's CI runs, session 26; not reproduced on demand.)
+        gc.collect()
         dist.destroy_process_group()

@@ -34,11 +34,13 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
 
 def run(cfg: EyasConfig, data=None) -> dict[str, Any]:
     """Train per `cfg`. `data` (a build.TrainData) replaces reading prepare/extract from disk."""
-    from eyas.distributed import compute_cleanup, compute_init
+    from eyas.distributed import barrier, compute_cleanup, compute_init
 
     _, rank, _, world_size, device = compute_init()
     try:
-        return _run(cfg, data, rank, world_size, device)
+        out = _run(cfg, data, rank, world_size, device)
+        barrier()  # the other ranks return while rank 0 writes the draft: tear the group down together
+        return out
     finally:
         compute_cleanup()
 
