@@ -4,6 +4,7 @@
                                                    #   seq 2048, TTT 7, flex attention, bf16 autocast
     python bench/train.py --compile --pack 2       # torch.compile the decoder step; 2 x 2048 per row
     python bench/train.py --loss-kernel compiled   # the TTT loss under torch.compile (default: eager, as eyas)
+    python bench/train.py --align-top-k 3 --align-norm kept   # GRIFFIN's mask: its cost against --align-top-k 0
     python bench/train.py --grad-accum 4           # 4 micro-batches per optimizer step: tokens/s and
                                                    #   peak memory against --grad-accum 1
     OUT=/tmp/o python bench/train.py               # also writes $OUT/bench_train.json
@@ -68,6 +69,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--loss-kernel", default="eager", choices=["auto", "eager", "compiled"],
                    help="train.loss_kernel: each TTT step's loss eager (eyas's default) or under torch.compile "
                         "(auto: compiled on CUDA)")
+    p.add_argument("--align-top-k", type=int, default=0,
+                   help="train.align_top_k: GRIFFIN's mask (the recipe's continuations use 3); 0 = off")
+    p.add_argument("--align-norm", default="valid", choices=["valid", "kept"],
+                   help="train.align_norm (kept needs --align-top-k > 0)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--device", default="cuda")
@@ -147,7 +152,8 @@ def main() -> int:
         "--run_dir=/tmp/eyas-bench", f"--train.ttt_steps={a.ttt}", f"--train.max_tokens={a.seq * a.pack}",
         f"--train.attention={a.attention}", f"--train.compile={str(a.compile).lower()}", "--train.num_workers=0",
         "--train.warmup_steps=1", f"--train.num_layers={a.num_layers}", "--export.format=speculators",
-        f"--train.loss_kernel={a.loss_kernel}",
+        f"--train.loss_kernel={a.loss_kernel}", f"--train.align_top_k={a.align_top_k}",
+        f"--train.align_norm={a.align_norm}",
     ])
     tr, dcfg = build.build_trainer(cfg, data, device, total_steps=10_000)
     pad = 128 if tr.attention == "flex" else 0
@@ -161,7 +167,7 @@ def main() -> int:
     tokens = sum(b.num_tokens for b in batches)
     print(f"draft {tr.draft.num_trainable_parameters() / 1e6:.1f}M trainable parameters; D {a.hidden}, V {a.vocab}, "
           f"W {a.draft_vocab}, {a.num_layers} draft layer(s), {a.grad_accum} x {a.pack} x {a.seq} tokens per step, TTT {a.ttt}, {tr.attention} attention, "
-          f"compile {a.compile}, loss kernel {a.loss_kernel}", flush=True)
+          f"compile {a.compile}, loss kernel {a.loss_kernel}, align_top_k {a.align_top_k} ({a.align_norm})", flush=True)
     t0 = time.perf_counter()
     for s in range(a.warmup):
         train_step(tr, batches, s)
