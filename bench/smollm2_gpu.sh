@@ -63,8 +63,14 @@
 #               sha256): `eyas evaluate` of the parts, stashed (`STASH=.carry/dN ... stash` each) or
 #               carried with this call (.carry/dN), joined in name order into model.safetensors
 #               (checked against the sha256) beside config.json (the speculators export's), with
-#               keep's evaluate overrides; the GGUF joins from its stashed parts when .carry/p3
-#               is not carried. Give it the call's whole 600 s: on a fresh machine the evaluation (the
+#               keep's evaluate overrides and EVAL_ARGS (more, for this call only); the GGUF joins
+#               from its stashed parts when .carry/p3 is not carried; the target-only outputs it
+#               decoded stay in /root/keep/eval_target_outputs (and come back), so that a second call
+#               on the same machine can simulate on them (a tree simulated on a 2-core CPU took 863 s):
+#               EVAL_ARGS="--evaluate.simulate_tree=false" first (decoding and the chain's check), then
+#               EVAL_ARGS="--evaluate.mode=simulate --evaluate.target_outputs=/root/keep/eval_target_outputs"
+#               (the tree simulated in bf16 on the GPU, beside the tree the first call decoded).
+#               Give it the call's whole 600 s: on a fresh machine the evaluation (the
 #               GGUF's conversion, loading, decoding up to the 420 s budget, the teacher-forced check)
 #               did not finish in a 500 s call (session 13, no result)
 #               The same parts start a training from that draft: TRAIN_ARGS="--train.init_from=/root/init"
@@ -429,9 +435,16 @@ evaluate_draft)
     join_draft /root/draft
     set -f  # overrides carry globs such as [0.9,0.95]
     $E evaluate $R $DATA $(overrides) --evaluate.draft=/root/draft \
-        --evaluate.out_dir=/root/eval-draft || echo "eyas evaluate failed (rc $?)"
+        --evaluate.out_dir=/root/eval-draft ${EVAL_ARGS:-} || echo "eyas evaluate failed (rc $?)"
     set +f
     cp /root/eval-draft/results.json "$OUT/evaluate_results.json" || echo "no results"
+    # the target-only outputs it decoded, kept for a later call's simulation on this machine
+    # (EVAL_ARGS="--evaluate.mode=simulate --evaluate.target_outputs=$KEEP/eval_target_outputs")
+    if [[ -f /root/eval-draft/target_outputs.json ]]; then
+        mkdir -p "$KEEP/eval_target_outputs"
+        cp /root/eval-draft/target_outputs.json "$KEEP/eval_target_outputs/"
+        cp /root/eval-draft/target_outputs.json "$OUT/evaluate_target_outputs.json"
+    fi
     ;;
 fp32)
     fp32_eval "${FP32_QUESTIONS:-113,136,124,95}"
