@@ -36,7 +36,9 @@
 #   regenerate_rest  .carry/p3 (the GGUF's last part; p2 stashed) and .carry/r2 (sharegpt_rest: the ShareGPT
 #               conversations the committed file lacks): regenerated for REGEN_SECONDS (420) in their
 #               own run directory, with REGEN_ARGS (more eyas overrides, e.g. "--regenerate.self_prompts=8192":
-#               user turns SmolLM2 writes itself; SELF_TAG=selfN renames their ids selfN-k); the next
+#               user turns SmolLM2 writes itself; SELF_TAG=selfN renames their ids selfN-k;
+#               SELF_SYSTEMS=bench/self_prompt_systems.json steers them to MT-bench's eight kinds of
+#               request by system prompt, regenerate.self_prompt_systems); the next
 #               `train` trains on them and the others; again: regenerates more
 #   source      .carry/r2 = sharegpt_all (`ALL=1 bash bench/smollm2_carry.sh`): only kept in
 #               /root/keep for `regenerate` (with a GGUF part and the repository it would not fit a call)
@@ -308,8 +310,13 @@ regenerate_rest)
     fi
     [[ -f $KEEP/regenerated_base.jsonl ]] || cp "$KEEP/regenerated.jsonl" "$KEEP/regenerated_base.jsonl"
     [[ -f $KEEP/sharegpt_rest.jsonl.xz ]] || cp .carry/r2/sharegpt_rest.jsonl.xz "$KEEP/"
+    # SELF_SYSTEMS=FILE (a JSON list, e.g. bench/self_prompt_systems.json): the system prompts that
+    # steer the self-written user turns (regenerate.self_prompt_systems), one argument whatever spaces
+    # they hold (REGEN_ARGS is split at spaces)
+    systems=()
+    [[ -z ${SELF_SYSTEMS:-} ]] || systems=("--regenerate.self_prompt_systems=$(python3 -c 'import json, sys; print(json.dumps(json.load(open(sys.argv[1]))))' "$SELF_SYSTEMS")")
     $E run $R --run_dir=/root/run-rest --prepare.data=$KEEP/sharegpt_rest.jsonl.xz --evaluate.bench=$KEEP/mtbench.jsonl \
-        --regenerate.max_seconds=${REGEN_SECONDS:-420} ${REGEN_ARGS:-} --stop_after=regenerate
+        --regenerate.max_seconds=${REGEN_SECONDS:-420} ${REGEN_ARGS:-} ${systems[@]+"${systems[@]}"} --stop_after=regenerate
     # the stage names self-written conversations self-k whatever the seed: SELF_TAG (e.g. self3 for
     # --seed=3) renames them selfN-k, apart from the committed files' ids
     rest=/root/run-rest/regenerate/conversations.jsonl

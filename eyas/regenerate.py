@@ -318,21 +318,26 @@ def pre_query_ids(tok, eos: list[int], system: str = "") -> list[int]:
 
 def self_prompt_settings(cfg: EyasConfig) -> dict[str, Any]:
     rc = cfg.regenerate
-    return {"samples": rc.self_prompts, "temperature": rc.self_prompt_temperature, "top_p": rc.self_prompt_top_p,
-            "max_tokens": rc.self_prompt_max_tokens, "system_prompt": cfg.prepare.system_prompt, "seed": cfg.seed}
+    settings = {"samples": rc.self_prompts, "temperature": rc.self_prompt_temperature, "top_p": rc.self_prompt_top_p,
+                "max_tokens": rc.self_prompt_max_tokens, "system_prompt": cfg.prepare.system_prompt, "seed": cfg.seed}
+    if rc.self_prompt_systems:  # absent otherwise: files sampled before the key existed still match
+        settings["systems"] = list(rc.self_prompt_systems)
+    return settings
 
 
 def sample_self_prompts(backend: HFBackend, tok, cfg: EyasConfig) -> dict[str, Any]:
     """rc.self_prompts user turns sampled by the target from pre_query_ids; the distinct finished
     ones kept, in order, with counts of what was dropped (none kept is an error)."""
     rc = cfg.regenerate
-    prefix = pre_query_ids(tok, backend.eos, cfg.prepare.system_prompt)
-    answers = backend.generate([prefix] * rc.self_prompts,
+    systems = rc.self_prompt_systems or [cfg.prepare.system_prompt]
+    prefixes = [pre_query_ids(tok, backend.eos, system) for system in systems]
+    answers = backend.generate([prefixes[i % len(prefixes)] for i in range(rc.self_prompts)],
                                Sampling(rc.self_prompt_temperature, rc.self_prompt_top_p, rc.self_prompt_max_tokens))
     kept: list[str] = []
     seen: set[str] = set()
-    counts = Counter({"sampled": len(answers), "unfinished": 0, "empty": 0, "duplicate": 0})
-    for a in answers:
+    counts: dict[str, Any] = Counter({"sampled": len(answers), "unfinished": 0, "empty": 0, "duplicate": 0})
+    per_system = [0] * len(systems)
+    for i, a in enumerate(answers):
         if a.finish_reason != "stop":
             counts["unfinished"] += 1
         elif not a.text:
@@ -342,7 +347,10 @@ def sample_self_prompts(backend: HFBackend, tok, cfg: EyasConfig) -> dict[str, A
         else:
             seen.add(a.text)
             kept.append(a.text)
+            per_system[i % len(systems)] += 1
     counts["kept"] = len(kept)
+    if rc.self_prompt_systems:
+        counts["kept_per_system"] = per_system
     if not kept:
         raise EyasError(f"regenerate.self_prompts: none of the {len(answers)} sampled user turns was kept "
                         f"({dict(counts)}): raise regenerate.self_prompt_max_tokens or the number of samples")
@@ -379,8 +387,9 @@ def self_conversations(path: Path, made: dict[str, Any] | None, backend, tok, cf
         artifacts.atomic_write_text(path, json.dumps(made, ensure_ascii=False))
         c = made["counts"]
         print(f"[eyas:regenerate] self-written user turns: {c['kept']} kept of {c['sampled']} sampled "
-              f"({c['unfinished']} unfinished, {c['empty']} empty, {c['duplicate']} repeated) in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
+              f"({c['unfinished']} unfinished, {c['empty']} empty, {c['duplicate']} repeated"
+              + (f"; kept per system prompt {c['kept_per_system']}" if "kept_per_system" in c else "")
+              + f") in {time.perf_counter() - t0:.1f} s", flush=True)
     head = _head(cfg.prepare.system_prompt)
     convs = [Conversation(f"self-{k}", head + [{"role": "user", "content": text}], -1 - k)
              for k, text in enumerate(made["prompts"])]

@@ -165,6 +165,41 @@ def test_greedy_self_prompts_equal_a_plain_generate_and_resume(tmp_path, data, t
         regenerate(cfg_for(tmp_path, data, *own))
 
 
+def test_self_prompt_systems_steer_the_samples_and_stay_out_of_the_conversations(tmp_path, data, target):
+    """regenerate.self_prompt_systems: greedy sample i is the target's own continuation of the text
+    before a user message after the (i mod n)-th system prompt (an independent HF generate from the
+    literal text), counted per system prompt; the conversations hold the user turn alone, answered
+    as any self-written one; other system prompts than the stored file's are refused."""
+    model, tok = target
+    systems = ["You write short questions about cooking.", "You ask for help with arithmetic."]
+    refs = []
+    for system in systems:  # the independent reference, from the literal pre-query text
+        x = tok(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n", return_tensors="pt",
+                add_special_tokens=False)["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=48, do_sample=False,
+                                 temperature=None, top_p=None, top_k=None, pad_token_id=tok.eos_token_id)
+        new = out[0, x.shape[1]:].tolist()
+        assert tok.eos_token_id in new  # SmolLM2's greedy user turn ends within 48 tokens
+        refs.append(tok.decode(new[: new.index(tok.eos_token_id)], skip_special_tokens=True).strip())
+    assert refs[0] != refs[1] and refs[0] != "" and refs[1] != ""  # the two system prompts steer apart
+    own = ["--prepare.max_conversations=1", "--regenerate.self_prompts=4", "--regenerate.self_prompt_temperature=0",
+           "--regenerate.self_prompt_max_tokens=48", f"--regenerate.self_prompt_systems={json.dumps(systems)}"]
+    s = regenerate(cfg_for(tmp_path, data, *own))
+    assert s["self_prompts"] == {"sampled": 4, "kept": 2, "unfinished": 0, "empty": 0, "duplicate": 2,
+                                 "kept_per_system": [1, 1]}
+    made = json.loads((tmp_path / "regenerate" / "self_prompts.json").read_text())
+    assert made["prompts"] == refs and made["settings"]["systems"] == systems
+    recs = read(tmp_path / "regenerate" / "conversations.jsonl")[1:]
+    for rec, user in zip(recs, refs):  # no system message: answered as the plain user turn
+        asked = [{"role": "user", "content": user}]
+        assert rec["messages"] == asked + [{"role": "assistant", "content": greedy_reply(model, tok, asked, NEW)[0]}]
+    with pytest.raises(EyasError, match="was sampled with .*remove it"):
+        regenerate(cfg_for(tmp_path, data, *own[:-1], f"--regenerate.self_prompt_systems={json.dumps(systems[:1])}"))
+    with pytest.raises(EyasError, match="set regenerate.self_prompts too"):
+        load_config(None, [f"--regenerate.self_prompt_systems={json.dumps(systems)}"])
+
+
 def test_self_prompts_refuse_a_template_whose_user_turn_does_not_end_at_a_stop_token(target):
     import copy
 

@@ -75,6 +75,14 @@ class RegenerateConfig:
     """Nucleus mass of the self-written user turns."""
     self_prompt_max_tokens: int = 256
     """Most tokens of a self-written user turn."""
+    self_prompt_systems: list[str] = field(default_factory=list)
+    """System prompts that steer what kind of user turn the target writes (Magpie's control of the
+    task, e.g. "You are an AI assistant that helps with math problems."), used only while sampling
+    the user turns: sample i follows the (i mod n)-th; the conversations do not keep them and are
+    answered like the other self-written ones (after prepare.system_prompt, else the template's
+    own). For prompts of the kinds a benchmark asks (writing, math, coding, ...) without its
+    questions. Empty = sample after the prompt the answers get. meta.json counts the kept turns per
+    system prompt."""
 
     def __post_init__(self) -> None:
         require(self.backend in BACKENDS, f"regenerate.backend={self.backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -97,3 +105,7 @@ class RegenerateConfig:
                 f"regenerate.self_prompt_temperature={self.self_prompt_temperature} must be >= 0")
         require(0 < self.self_prompt_top_p <= 1, f"regenerate.self_prompt_top_p={self.self_prompt_top_p} must lie in (0, 1]")
         require(self.self_prompt_max_tokens >= 1, f"regenerate.self_prompt_max_tokens={self.self_prompt_max_tokens} must be >= 1")
+        require(not self.self_prompt_systems or self.self_prompts > 0,
+                "regenerate.self_prompt_systems steers self-written user turns: set regenerate.self_prompts too")
+        require(all(isinstance(t, str) and t.strip() for t in self.self_prompt_systems),
+                f"regenerate.self_prompt_systems={self.self_prompt_systems!r}: each must be a non-empty string")
