@@ -13,10 +13,10 @@ autocast), timed with CUDA events after warm-up:
 * rank, compiled: the same under torch.compile (the compare and the sum fused).
 
 The forms differ only where logits tie at the k-th place (topk keeps some of the tied tokens, rank
-counts the target's token in whenever fewer than k lie strictly above it); the script prints how many rows disagree on these logits. Sessions
-24 and 27 trained ~12% slower per window with the mask (k = 3) than sessions 17 and 26 without it
-(BENCHMARKS.md): this tells how much of that the selection is. `OUT=/tmp/o` also writes
-$OUT/bench_align_mask.json.
+counts the target's token in whenever fewer than k lie strictly above it); the script prints how
+many rows disagree on these logits. Session 27 trained ~12% slower per window with the mask
+(k = 3) than session 26 without it (BENCHMARKS.md): this tells how much of that the selection is.
+`OUT=/tmp/o` also writes $OUT/bench_align_mask.json.
 """
 
 from __future__ import annotations
