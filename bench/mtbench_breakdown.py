@@ -5,7 +5,9 @@ simulated ones of `teacher_forced.prompts` when the run was `--evaluate.mode=sim
 
     python bench/mtbench_breakdown.py RUN_DIR/evaluate/results.json [MORE results.json ...] [--mode tree]
 
-With several files, one column per file (e.g. two drafts on the same outputs).
+With several files, one column per file (e.g. two drafts on the same outputs). A run on a copy of
+the embedded question.jsonl (bench/smollm2_gpu.sh's /root/keep/mtbench.jsonl) counts as MT-bench
+with `--copy-of-mtbench`: then every prompt's question id must be one of MT-bench's.
 """
 
 from __future__ import annotations
@@ -40,16 +42,21 @@ def groups(counts, category: dict[str, str]) -> dict[str, float]:
     return {g: new / max(passes, 1) for g, (new, passes) in sums.items()}
 
 
-def main(paths: list[str], mode: str = "chain") -> None:
+def main(paths: list[str], mode: str = "chain", copy_of_mtbench: bool = False) -> None:
     category = {str(q["question_id"]): q["category"]
                 for q in map(json.loads, filter(str.strip, Path(mtbench_path()).read_text().splitlines()))}
     columns = []
     for p in paths:
         results = json.loads(Path(p).read_text())
         bench = results["settings"]["bench"]
-        if bench not in ("mtbench", "embedded:mtbench"):
-            raise SystemExit(f"{p}: evaluated on {bench!r}, not MT-bench: no categories to split by")
-        columns.append(groups(prompt_counts(results, mode), category))
+        if bench not in ("mtbench", "embedded:mtbench") and not copy_of_mtbench:
+            raise SystemExit(f"{p}: evaluated on {bench!r}, not MT-bench: no categories to split by "
+                             f"(--copy-of-mtbench if that file is a copy of it)")
+        counts = prompt_counts(results, mode)
+        unknown = sorted({q for q, *_ in counts} - category.keys())
+        if unknown:
+            raise SystemExit(f"{p}: question ids {unknown[:5]} are not MT-bench's: no categories to split by")
+        columns.append(groups(counts, category))
     names = ["all", "turn 1", "turn 2", *sorted({g for c in columns for g in c} - {"all", "turn 1", "turn 2"})]
     print("| group | " + " | ".join(paths) + " |")
     print("| --- |" + " --- |" * len(paths))
@@ -61,5 +68,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", nargs="+", help="results.json of `eyas evaluate` runs on MT-bench")
     ap.add_argument("--mode", choices=("chain", "tree"), default="chain")
+    ap.add_argument("--copy-of-mtbench", action="store_true",
+                    help="the runs' bench file is a copy of the embedded MT-bench question.jsonl")
     args = ap.parse_args()
-    main(args.results, args.mode)
+    main(args.results, args.mode, args.copy_of_mtbench)

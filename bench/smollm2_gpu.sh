@@ -52,10 +52,15 @@
 #               hidden states where they fit (bench/place_states.py: the disk, else /dev/shm when
 #               STATES_KEEP_RAM_GB (40) of memory stays free beside them, else /dev/shm and then the
 #               disk ($RUN/eyas-spill, extract.spill_dirs), else the first conversations that fit the
-#               disk) and the later calls keep that; DRAFT_BACK=0 returns no draft weights
+#               disk) and the later calls keep that; DRAFT_BACK=0 returns no draft weights; NPROC=2
+#               (on nvidia-h200-x2, every train call): that `eyas run` under torchrun with 2 ranks,
+#               extract and train data parallel on both GPUs (each step then holds twice the tokens
+#               of one GPU's: size TRAIN_STEPS for it); not yet run on a GPU machine
 #   draft_rest  the parts of the exported draft a train call left on the device (a call returns
 #               at most 64 MiB: a draft over ~55 MB, e.g. one with the whole vocabulary, takes two)
-#   evaluate    `eyas run --accept_partial=regenerate,train` (evaluate, summary)
+#   evaluate    `eyas run --accept_partial=regenerate,train` (evaluate, summary), with EVAL_ARGS; it
+#               returns the target-only outputs it decoded, and with SIM_AFTER=1 also simulates the
+#               same draft on them (evaluate_simulate_results.json) in what is left of the call
 #   stash       after `keep`, on a fresh machine: the files of every .carry/ folder this call carries
 #               (STASH, e.g. ".carry/p2" or ".carry/d1") kept in /root/keep for a later call: what
 #               does not fit one call with the repository (the GGUF's parts after the first, a draft's parts)
@@ -363,7 +368,9 @@ train)
     # TRAIN_SECONDS=480 took 596.6 of its 600 s)
     stop_by=$(( T0 + ${CALL_SECONDS:-585} - ${TRAIN_RESERVE:-50} ))
     stamp "training stops by $(date -d @$stop_by +%T) ($(( stop_by - $(date +%s) )) s from now) or after its budget"
-    $E run $R $DATA $(overrides) ${TRAIN_SECONDS:+--train.max_seconds=$TRAIN_SECONDS} --train.stop_by=$stop_by \
+    ER=$E  # NPROC > 1: the same run under torchrun (eyas.run: extract and train on every rank)
+    (( ${NPROC:-1} > 1 )) && ER="python3 -m torch.distributed.run --standalone --nproc-per-node=$NPROC -m eyas"
+    $ER run $R $DATA $(overrides) ${TRAIN_SECONDS:+--train.max_seconds=$TRAIN_SECONDS} --train.stop_by=$stop_by \
         --stop_after=export --accept_partial=regenerate
     # the small files in one tar (train_files.tar: at most 8 files come back, and a wider draft
     # takes 4 parts): the training curve, train and extract meta (none when online), both configs
@@ -399,13 +406,32 @@ draft_rest)  # the draft parts a train call could not return within its 64 MiB
     send_draft_parts
     ;;
 evaluate)
-    $E run $R $DATA $(overrides) --accept_partial=regenerate,train || echo "eyas run failed (rc $?)"
-    for f in evaluate/results.json run.log summary.json; do  # whatever there is: the fp32 check still runs
+    set -f  # overrides carry globs such as [0.9,0.95]
+    $E run $R $DATA $(overrides) --accept_partial=regenerate,train ${EVAL_ARGS:-} || echo "eyas run failed (rc $?)"
+    set +f
+    # target_outputs.json: the target-only outputs it decoded, for a simulation of the same draft on them
+    for f in evaluate/results.json evaluate/target_outputs.json run.log summary.json; do  # whatever there is: the fp32 check still runs
         cp "$RUN/$f" "$OUT/$(echo $f | tr / _)" || echo "no $f"
     done
     # then float32 on the questions whose bf16 outputs forked (session 3), question 113 first;
     # FP32_QUESTIONS= (empty) skips it
     [[ -n ${FP32_QUESTIONS-113,136,124,95} ]] && { fp32_eval "${FP32_QUESTIONS-113,136,124,95}" || echo "float32 evaluation failed (rc $?)"; }
+    # SIM_AFTER=1: the same draft simulated (chain and tree, bf16, evaluate.mode=simulate) on the
+    # target-only outputs this call just decoded, so that the simulated tree stands beside the
+    # decoded one on the same outputs; bounded by the call's deadline (CALL_SECONDS after CALL_START,
+    # less 15 s to return the files), its results kept apart from the decoding's; on the H200 the
+    # chain's check alone took 52 s and chain + tree did not finish in ~150 s (session 28)
+    if [[ ${SIM_AFTER:-0} == 1 && -f $RUN/evaluate/target_outputs.json ]]; then
+        left=$(( T0 + ${CALL_SECONDS:-585} - 15 - $(date +%s) ))
+        stamp "simulate on the decoded target outputs, ${left} s left"
+        set -f
+        # simulate_tree after EVAL_ARGS: the decoding above may have left it off (session 28 did, and got the chain alone)
+        (( left > 30 )) && { timeout $left $E evaluate $R $DATA $(overrides) ${EVAL_ARGS:-} --evaluate.mode=simulate --evaluate.simulate_tree=true \
+            --evaluate.target_outputs=$RUN/evaluate --evaluate.out_dir=/root/eval-sim \
+            || echo "eyas evaluate (simulate) failed or ran out of time (rc $?)"; }
+        set +f
+        cp /root/eval-sim/results.json "$OUT/evaluate_simulate_results.json" || echo "no simulate results"
+    fi
     ;;
 ablate)
     join_gguf

@@ -46,6 +46,22 @@ def compute_init(device: str = "") -> tuple[bool, int, int, int, torch.device]:
     return ddp, rank, local_rank, world_size, dev
 
 
+_HELD = False  # `eyas run` under torchrun holds the group across its stages (hold_group)
+
+
+def hold_group() -> None:
+    """Keep the process group past the stages' compute_cleanup (for `eyas run`, which runs several
+    stages in one process group); release_group() ends it."""
+    global _HELD
+    _HELD = True
+
+
+def release_group() -> None:
+    global _HELD
+    _HELD = False
+    compute_cleanup()
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -61,6 +77,8 @@ def all_reduce_max(value: float, device: torch.device) -> float:
 
 
 def compute_cleanup() -> None:
+    if _HELD:
+        return
     if dist.is_available() and dist.is_initialized():
         # DDP/FSDP modules hold the process group in reference cycles: freed only by the garbage
         # collector, possibly during interpreter shutdown, when the group's C++ threads can no

@@ -2,6 +2,7 @@
 
     eyas run recipes/demo-cpu.yaml
     eyas run recipes/smollm2-sharegpt.yaml --train.epochs=3     # re-runs train, export, evaluate
+    torchrun --nproc-per-node 8 -m eyas run RECIPE.yaml          # extract and train on 8 GPUs
 
 Stages: regenerate (only with `regenerate.enabled`; prepare then reads its conversations) ->
 prepare -> extract (not with `train.mode=online`: the target then runs inside training, and no
@@ -16,6 +17,12 @@ meta.json of the output it was made from, so this holds across runs). RUN_DIR ho
 subdirectory per stage, `run.log` (everything printed) and `summary.json` (per-stage wall time and
 throughput, tau_chain, tau_tree, tau_chain_simulated, tau_tree_simulated,
 acceptance_per_position, lossless, speedup).
+
+Under torchrun (`torchrun --nproc-per-node N -m eyas run RECIPE.yaml`) rank 0 runs the run: its
+plan, skips, run keys, log and summary, and the stages of one process (regenerate, prepare,
+export, evaluate) on its own device while the other ranks wait; extract and train run on every
+rank, data parallel, exactly as `torchrun ... -m eyas extract` / `eyas train` would (one
+process group for the whole run; rank 0 tells the others which stage to run, with its config).
 """
 
 from __future__ import annotations
@@ -26,12 +33,13 @@ import json
 import shutil
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from eyas import artifacts
 from eyas.config import EyasConfig, to_dict
-from eyas.errors import ArtifactError, ConfigError, EyasError, describe_exception
+from eyas.errors import ArtifactError, ConfigError, EyasError, describe_exception, exception_message
 
 ORDER = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
 MODULES = {
@@ -65,6 +73,7 @@ BUDGET_KEYS = {
               "target_group_tokens"),
 }
 RESUMABLE = ("regenerate", "train")  # a partial output of these is continued by the next run
+ALL_RANKS = ("extract", "train")  # under torchrun every rank runs these; the others run on rank 0 alone
 # keys added to a section after runs were made without them: at this value (the behaviour before
 # the key existed) they are left out of the run key, so `eyas run` continues such a run instead of
 # deleting its output as made with other settings
@@ -196,19 +205,113 @@ class Tee:
         return getattr(self.stream, name)
 
 
+def run_stage(stage: str, stage_cfg: EyasConfig) -> Any:
+    return importlib.import_module(MODULES[stage]).main(stage_cfg)
+
+
 def main(cfg: EyasConfig) -> dict[str, Any]:
+    from eyas import distributed
+
+    if distributed.is_ddp():
+        return _main_ranks(cfg)
+    return _main(cfg, run_stage)
+
+
+def _main(cfg: EyasConfig, runner, banner: str = "") -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "run.log", "a", encoding="utf-8") as log:
         out, err = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = Tee(out, log), Tee(err, log)
         try:
-            return _run(cfg, run_dir)
+            if banner:
+                print(banner, flush=True)
+            return _run(cfg, run_dir, runner)
         finally:
             sys.stdout, sys.stderr = out, err
 
 
-def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
+STOP, FAILED = "stop", "failed"  # rank 0's last word to the other ranks: the run ended, or stopped with an error
+CONTROL_TIMEOUT = timedelta(days=7)  # a waiting rank waits through rank 0's regenerate and evaluate, however long
+
+
+def _main_ranks(cfg: EyasConfig) -> dict[str, Any]:
+    """`eyas run` under torchrun: rank 0 runs `_main`; each stage of ALL_RANKS it reaches it first
+    sends (stage, config) to the other ranks, which run that stage with it and wait for the next.
+    The messages go over a gloo group beside the stages' own (NCCL on GPUs), so a waiting rank
+    holds no GPU collective while rank 0 prepares or evaluates. A rank that fails exits non-zero
+    and torchrun stops the others; rank 0 stopping with an error between those stages tells the
+    others (they exit non-zero too, saying so). Rank r > 0 writes what it prints to RUN_DIR/run.rank{r}.log."""
+    import torch.distributed as dist
+
+    from eyas import distributed
+
+    _, rank, _, world_size, _ = distributed.compute_init()
+    try:
+        distributed.hold_group()
+        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+        def send(msg) -> None:
+            dist.broadcast_object_list([msg], src=0, group=control)
+
+        if rank != 0:
+            return _follow(cfg, rank, control)
+        inside = False  # rank 0 is in a stage every rank runs: a failure there reaches the others through torchrun
+
+        def runner(stage: str, stage_cfg: EyasConfig) -> Any:
+            nonlocal inside
+            if stage not in ALL_RANKS:
+                return run_stage(stage, stage_cfg)
+            send((stage, stage_cfg))
+            inside = True
+            rc = run_stage(stage, stage_cfg)
+            inside = False
+            return rc
+
+        banner = (f"[eyas:run] torchrun: {world_size} ranks; {' and '.join(ALL_RANKS)} on every rank, the other "
+                  f"stages on rank 0")
+        try:
+            record = _main(cfg, runner, banner)
+        except BaseException:
+            if not inside:
+                try:
+                    send(FAILED)
+                except Exception as e:  # the run's own error is the one raised; this one is said, not hidden
+                    print(f"[eyas:run] rank 0 could not tell the other ranks that the run stopped: "
+                          f"{type(e).__name__}: {exception_message(e)}", file=sys.stderr, flush=True)
+            raise
+        send(STOP)
+        return record
+    finally:
+        distributed.release_group()
+
+
+def _follow(cfg: EyasConfig, rank: int, control) -> dict[str, Any]:
+    """Rank r > 0 under torchrun: run the stages rank 0 sends until it says the run ended."""
+    import torch.distributed as dist
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / f"run.rank{rank}.log", "a", encoding="utf-8") as log:
+        out, err = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = Tee(out, log), Tee(err, log)
+        try:
+            while True:
+                box = [None]
+                dist.broadcast_object_list(box, src=0, group=control)
+                if box[0] == STOP:
+                    return {}
+                if box[0] == FAILED:
+                    raise EyasError(f"rank {rank}: rank 0's run stopped with an error after the last stage the ranks "
+                                    f"ran together (its error is in rank 0's output and in {run_dir / 'run.log'})")
+                stage, stage_cfg = box[0]
+                print(f"[eyas:run] rank {rank}: {stage}", flush=True)
+                run_stage(stage, stage_cfg)
+        finally:
+            sys.stdout, sys.stderr = out, err
+
+
+def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
     configs, stages = stage_plan(cfg)
     if cfg.stop_after and cfg.stop_after not in stages:
         raise ConfigError(f"--stop_after={cfg.stop_after}: this run has no {cfg.stop_after} stage (its stages: "
@@ -260,7 +363,7 @@ def _run(cfg: EyasConfig, run_dir: Path) -> dict[str, Any]:
             stage_cfg.train.resume = "auto"
         t0, started = time.perf_counter(), time.time()
         try:
-            rc = importlib.import_module(MODULES[s]).main(stage_cfg)
+            rc = runner(s, stage_cfg)
         except BaseException as e:  # Ctrl-C too: the summary says where the run stopped
             _record_failure(cfg, run_dir, record, s, out, e, time.perf_counter() - t0, started)
             raise

@@ -6,7 +6,10 @@ key re-runs train, export and evaluate only."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -88,6 +91,52 @@ def test_run_end_to_end_then_skips(tmp_path, smollm2_dir, capsys):
     error = summary["stages"]["evaluate"]["error"]
     assert "bad_bench.jsonl:1" in error["message"] and error["type"].endswith("DataError") and "Traceback" in error["traceback"]
     assert summary["stages"]["train"]["status"] == "skipped" and "tau_chain" not in summary
+
+
+def torchrun_eyas(*args, timeout=600):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "eyas.cli", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_run_under_torchrun_extracts_and_trains_on_every_rank_and_keeps_one_process_bookkeeping(
+        tmp_path, smollm2_dir, capsys):
+    """`torchrun --nproc-per-node 2 -m eyas run`: extract and train on both ranks, the other stages on
+    rank 0; the run keys are one process's (a plain `eyas run` afterwards skips every stage); a
+    failure of rank 0 in a stage of its own stops the other rank too, non-zero and saying why."""
+    target = save_tiny("llama", tmp_path / "tiny", smollm2_dir)
+    y = str(recipe(tmp_path, target))
+    run = tmp_path / "run"
+    everything = ["regenerate", "prepare", "extract", "train", "export", "evaluate"]
+    res = torchrun_eyas("run", y)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert "[eyas:run] torchrun: 2 ranks" in res.stdout
+    assert stages_line(res.stdout) == {s: "ran" for s in everything}
+    assert counts(run, "extract")["this_run"]["world_size"] == 2 and counts(run, "train")["world_size"] == 2
+    extracted = counts(run, "extract")
+    assert extracted["samples"] == counts(run, "prepare")["conversations_kept"] and not extracted["failed"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert list(summary["stages"]) == everything and summary["lossless"] is True and summary["tau_chain"] >= 1.0
+    assert "[eyas:run] torchrun" in (run / "run.log").read_text()  # rank 0's log, written once
+    assert (run / "run.log").read_text().count("[eyas:run] evaluate: running") == 1
+    follower = (run / "run.rank1.log").read_text()  # rank 1's own log: the stages it ran, nothing else of the run's
+    assert "[eyas:run] rank 1: extract" in follower and "[eyas:run] rank 1: train" in follower
+    assert "evaluate" not in follower and "prepare" not in follower
+
+    assert cli(["run", y]) == 0
+    assert stages_line(capsys.readouterr().out) == {s: "skipped" for s in everything}
+
+    bad = tmp_path / "bad_bench.jsonl"
+    bad.write_text('{"turns": []}\n')
+    res = torchrun_eyas("run", y, "--train.lr=2e-4", f"--evaluate.bench={bad}")
+    assert res.returncode != 0
+    out = res.stdout + res.stderr
+    assert stages_line(res.stdout) == {"regenerate": "skipped", "prepare": "skipped", "extract": "skipped",
+                                       "train": "ran", "export": "ran", "evaluate": "ran"}
+    assert "bad_bench.jsonl:1" in out and "rank 1: rank 0's run stopped with an error after the last stage the ranks ran together" in out
+    assert json.loads((run / "summary.json").read_text())["failed_stage"] == "evaluate"
+    assert counts(run, "train")["world_size"] == 2
 
 
 def counts(run, stage):
