@@ -18,6 +18,8 @@ Output directory (read it with `eyas.Prepared`):
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -122,6 +124,42 @@ def tokenize_conversations(tok, convs: list[Conversation], max_length: int, batc
     return all_ids, all_masks, kept
 
 
+_WORKER_TOKENIZER = None  # a prepare.num_workers process's own tokenizer (_start_worker)
+
+
+def _start_worker(target) -> None:
+    global _WORKER_TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism: no Rust threads per process
+    _WORKER_TOKENIZER = load_tokenizer(target)
+
+
+def _tokenize_chunk(job: tuple[list[Conversation], int, int]):
+    convs, max_length, batch_size = job
+    counts: Counter = Counter()
+    return *tokenize_conversations(_WORKER_TOKENIZER, convs, max_length, batch_size, counts), counts
+
+
+def tokenize_in_workers(cfg: EyasConfig, tok, convs: list[Conversation], counts: Counter):
+    """tokenize_conversations over prepare.num_workers spawned processes (spawned, not forked: under
+    `eyas run` this process may hold CUDA state from regenerate), the conversations cut into
+    contiguous chunks in order, so the result is the one process's, sample for sample."""
+    pc = cfg.prepare
+    if pc.num_workers == 1 or len(convs) <= pc.batch_size:
+        return tokenize_conversations(tok, convs, pc.max_length, pc.batch_size, counts)
+    per = max(pc.batch_size, -(-len(convs) // (4 * pc.num_workers)))  # ~4 chunks per worker, for balance
+    jobs = [(convs[i : i + per], pc.max_length, pc.batch_size) for i in range(0, len(convs), per)]
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(min(pc.num_workers, len(jobs)), initializer=_start_worker, initargs=(cfg.target,)) as pool:
+        parts = pool.map(_tokenize_chunk, jobs)  # a worker's exception is raised here, its traceback chained
+    ids, masks, kept = [], [], []
+    for part_ids, part_masks, part_kept, part_counts in parts:
+        ids += part_ids
+        masks += part_masks
+        kept += part_kept
+        counts.update(part_counts)
+    return ids, masks, kept
+
+
 def main(cfg: EyasConfig) -> dict[str, Any]:
     pc = cfg.prepare
     out = cfg.stage_dir("prepare")
@@ -134,7 +172,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
 
     convs, counts = load_conversations(pc.data, pc.format, pc.max_conversations, pc.system_prompt)
-    ids, masks, kept = tokenize_conversations(tok, convs, pc.max_length, pc.batch_size, counts)
+    ids, masks, kept = tokenize_in_workers(cfg, tok, convs, counts)
     num_records = counts["records"]
     dropped = num_records - len(kept)
     if not kept or dropped / num_records > pc.max_drop_fraction:

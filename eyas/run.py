@@ -68,6 +68,7 @@ SECTIONS = {
 # evaluation does not resume, so a larger budget has to re-run it.
 BUDGET_KEYS = {
     "regenerate": ("max_seconds",),
+    "prepare": ("num_workers",),
     "extract": ("allow_failures", "progress", "spill_dirs", "min_free_gb"),  # where shards go, not what they hold
     "train": ("max_seconds", "stop_by", "resume", "num_workers", "tensorboard", "keep_checkpoints", "loss_kernel",
               "target_group_tokens"),

@@ -361,6 +361,32 @@ def test_config_precedence_yaml_then_cli(tmp_path):
     assert cfg.prepare.max_length == 256 and cfg.prepare.draft_vocab_size == 100 and cfg.run_dir == "/tmp/a"
 
 
+def test_workers_make_the_one_process_output(tmp_path, capsys):
+    """prepare.num_workers cuts the conversations into chunks for spawned processes: the files are
+    the one process's, byte for byte (600 real ShareGPT records, chunks of 64 across 3 workers)."""
+    common = ["prepare", "--prepare.max_conversations=600", "--prepare.max_length=512", "--prepare.batch_size=64"]
+    assert cli([*common, f"--run_dir={tmp_path / 'one'}"]) == 0
+    assert cli([*common, f"--run_dir={tmp_path / 'three'}", "--prepare.num_workers=3"]) == 0
+    capsys.readouterr()
+    for name in ("tokens.safetensors", "vocab.safetensors", "sample_ids.json"):
+        assert (tmp_path / "one" / "prepare" / name).read_bytes() == (tmp_path / "three" / "prepare" / name).read_bytes(), name
+    one, three = (json.loads((tmp_path / d / "prepare" / "meta.json").read_text())["counts"] for d in ("one", "three"))
+    assert {k: v for k, v in one.items() if k != "seconds"} == {k: v for k, v in three.items() if k != "seconds"}
+    assert one["reasons"]["truncated"] > 0  # the counts merged from the workers include the truncations
+
+
+def test_a_workers_error_names_the_conversation(tmp_path, capsys):
+    p = tmp_path / "chats.jsonl"
+    rows = [{"id": f"rec{i}", "messages": [{"role": "user", "content": f"question {i}" + (" BOOM" if i == 250 else "")},
+                                           {"role": "assistant", "content": f"answer {i}"}]} for i in range(300)]
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    template = ("{% for m in messages %}{% if 'BOOM' in m['content'] %}{{ raise_exception('no bombs') }}{% endif %}"
+                "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    err = run_err(capsys, "prepare", f"--run_dir={tmp_path}", f"--prepare.data={p}", "--prepare.batch_size=16",
+                  "--prepare.num_workers=2", f"--target.chat_template={template}")
+    assert "conversation rec250: the chat template failed" in err and "no bombs" in err
+
+
 # ---- bad input: a clear error, nothing silent --------------------------------------------------
 
 

@@ -346,7 +346,8 @@ def test_keys_of_how_a_stage_runs_leave_the_run_key_alone(tmp_path):
     y = recipe(tmp_path, "unused-target")
     keys = r.run_keys(*r.stage_plan(load_config(str(y), ["--train.mode=online"])))
     for arg in ("--train.max_seconds=60", "--train.stop_by=1800000000", "--train.num_workers=3",
-                "--train.loss_kernel=compiled", "--train.target_group_tokens=2048", "--train.keep_checkpoints=5"):
+                "--train.loss_kernel=compiled", "--train.target_group_tokens=2048", "--train.keep_checkpoints=5",
+                "--prepare.num_workers=4"):
         assert r.run_keys(*r.stage_plan(load_config(str(y), ["--train.mode=online", arg]))) == keys, arg
     assert r.run_keys(*r.stage_plan(load_config(str(y), ["--train.mode=online", "--train.lr=0.5"])))["train"] != keys["train"]
 

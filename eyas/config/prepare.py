@@ -29,6 +29,11 @@ class PrepareConfig:
     """Fail the stage when more than this fraction of conversations is dropped (any reason)."""
     batch_size: int = 256
     """Conversations tokenised per call of the (Rust) tokenizer."""
+    num_workers: int = 1
+    """Processes that render, tokenise and mask the conversations (spawned; each loads the
+    tokenizer, so it pays from a few thousand conversations on). The output is the same for any
+    count (how the stage runs, not what it makes: `eyas run` does not re-run prepare for it).
+    1 = in this process."""
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/prepare."""
 
@@ -42,3 +47,4 @@ class PrepareConfig:
             f"prepare.max_drop_fraction={self.max_drop_fraction} must lie in [0, 1]",
         )
         require(self.batch_size >= 1, f"prepare.batch_size={self.batch_size} must be >= 1")
+        require(self.num_workers >= 1, f"prepare.num_workers={self.num_workers} must be >= 1 (1 = in this process)")
