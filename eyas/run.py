@@ -27,6 +27,7 @@ process group for the whole run; rank 0 tells the others which stage to run, wit
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import json
@@ -39,7 +40,7 @@ from typing import Any
 
 from eyas import artifacts
 from eyas.config import EyasConfig, to_dict
-from eyas.errors import ArtifactError, ConfigError, EyasError, describe_exception, exception_message
+from eyas.errors import ArtifactError, ConfigError, EyasError, describe_exception
 
 ORDER = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
 MODULES = {
@@ -218,18 +219,25 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     return _main(cfg, run_stage)
 
 
-def _main(cfg: EyasConfig, runner, banner: str = "") -> dict[str, Any]:
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "run.log", "a", encoding="utf-8") as log:
+@contextlib.contextmanager
+def teed(path: Path):
+    """Everything printed to stdout and stderr inside also goes to `path` (appended)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as log:
         out, err = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = Tee(out, log), Tee(err, log)
         try:
-            if banner:
-                print(banner, flush=True)
-            return _run(cfg, run_dir, runner)
+            yield
         finally:
             sys.stdout, sys.stderr = out, err
+
+
+def _main(cfg: EyasConfig, runner, banner: str = "") -> dict[str, Any]:
+    run_dir = Path(cfg.run_dir)
+    with teed(run_dir / "run.log"):
+        if banner:
+            print(banner, flush=True)
+        return _run(cfg, run_dir, runner)
 
 
 STOP, FAILED = "stop", "failed"  # rank 0's last word to the other ranks: the run ended, or stopped with an error
@@ -278,8 +286,9 @@ def _main_ranks(cfg: EyasConfig) -> dict[str, Any]:
                 try:
                     send(FAILED)
                 except Exception as e:  # the run's own error is the one raised; this one is said, not hidden
-                    print(f"[eyas:run] rank 0 could not tell the other ranks that the run stopped: "
-                          f"{type(e).__name__}: {exception_message(e)}", file=sys.stderr, flush=True)
+                    d = describe_exception(e)
+                    print(f"[eyas:run] rank 0 could not tell the other ranks that the run stopped: {d['type']}: "
+                          f"{d['message']}\n{d['traceback']}", file=sys.stderr, flush=True)
             raise
         send(STOP)
         return record
@@ -292,24 +301,18 @@ def _follow(cfg: EyasConfig, rank: int, control) -> dict[str, Any]:
     import torch.distributed as dist
 
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / f"run.rank{rank}.log", "a", encoding="utf-8") as log:
-        out, err = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = Tee(out, log), Tee(err, log)
-        try:
-            while True:
-                box = [None]
-                dist.broadcast_object_list(box, src=0, group=control)
-                if box[0] == STOP:
-                    return {}
-                if box[0] == FAILED:
-                    raise EyasError(f"rank {rank}: rank 0's run stopped with an error after the last stage the ranks "
-                                    f"ran together (its error is in rank 0's output and in {run_dir / 'run.log'})")
-                stage, stage_cfg = box[0]
-                print(f"[eyas:run] rank {rank}: {stage}", flush=True)
-                run_stage(stage, stage_cfg)
-        finally:
-            sys.stdout, sys.stderr = out, err
+    with teed(run_dir / f"run.rank{rank}.log"):
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, group=control)
+            if box[0] == STOP:
+                return {}
+            if box[0] == FAILED:
+                raise EyasError(f"rank {rank}: rank 0's run stopped with an error after the last stage the ranks "
+                                f"ran together (its error is in rank 0's output and in {run_dir / 'run.log'})")
+            stage, stage_cfg = box[0]
+            print(f"[eyas:run] rank {rank}: {stage}", flush=True)
+            run_stage(stage, stage_cfg)
 
 
 def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
