@@ -22,6 +22,9 @@
 #               data/smollm2-self-written-seed1-regenerated.jsonl.xz (more of them, session 11), with
 #               SELF=3 also those of data/smollm2-self-written-seed2-regenerated.jsonl.xz (session 12),
 #               with SELF=4 also those of data/smollm2-self-written-seed3-regenerated.jsonl.xz (session 21);
+#               STEERED=1 puts data/smollm2-self-written-steered-seed5-regenerated.jsonl.xz (self-written
+#               user turns steered to MT-bench's kinds of request, session 29) before all of them, the
+#               order session 29's regenerate_rest left them in (STEERED=1 SELF=3: its 71,390);
 #               FRESH=1 leaves all of those out (the `regenerate` flow). With .carry/cfg
 #               (SmolLM2's config and tokenizer) also a regenerate decode-step profile (random
 #               weights); SELF_CHECK=0 skips the GPU graph tests. Writes
@@ -118,6 +121,7 @@ SELF_WRITTEN=data/smollm2-self-written-regenerated.jsonl.xz  # SmolLM2's self-wr
 SELF_WRITTEN_SEED1=data/smollm2-self-written-seed1-regenerated.jsonl.xz  # more of them, another seed (session 11)
 SELF_WRITTEN_SEED2=data/smollm2-self-written-seed2-regenerated.jsonl.xz  # and another (session 12)
 SELF_WRITTEN_SEED3=data/smollm2-self-written-seed3-regenerated.jsonl.xz  # and 29,697 more (session 21)
+STEERED_FILE=data/smollm2-self-written-steered-seed5-regenerated.jsonl.xz  # 21,118 steered to MT-bench's kinds (session 29)
 DATA="--run_dir=$RUN --prepare.data=$SHAREGPT --evaluate.bench=$KEEP/mtbench.jsonl"
 stamp() { echo "[smollm2_gpu $(date +%T)] $*"; }
 # keep's train/evaluate overrides, then where the first offline train call put the hidden states
@@ -132,8 +136,13 @@ if [[ $phase == keep ]]; then
     rm -rf .carry/p1  # as stash does: a copy left in the repository would read as carried again
     # train on the conversations regenerated earlier unless FRESH=1 (regenerate from nothing)
     rm -f "$KEEP/regenerated.jsonl" "$KEEP/regenerated_base.jsonl"
+    if [[ ! ${STEERED:-0} =~ ^[01]$ ]]; then
+        echo "STEERED=${STEERED}: 0 (without) or 1 (the steered self-written file first)" >&2; exit 2
+    fi
     if [[ ${FRESH:-0} != 1 ]]; then
-        xz -dc $REGENERATED > "$KEEP/regenerated.jsonl"
+        : > "$KEEP/regenerated.jsonl"
+        [[ ${STEERED:-0} != 1 ]] || xz -dc $STEERED_FILE >> "$KEEP/regenerated.jsonl"
+        xz -dc $REGENERATED >> "$KEEP/regenerated.jsonl"
         case ${SELF:-0} in
             1) xz -dc $SELF_WRITTEN >> "$KEEP/regenerated.jsonl" ;;
             2) xz -dc $SELF_WRITTEN $SELF_WRITTEN_SEED1 >> "$KEEP/regenerated.jsonl" ;;
@@ -332,9 +341,10 @@ regenerate_rest)
         stamp "self-written ids renamed: $(grep -c "^{\"id\": \"${SELF_TAG}-" $rest) now ${SELF_TAG}-k"
     fi
     # written whole, then renamed; the next `train` re-runs prepare and what follows, since eyas run
-    # keys its first stage on the data file's content
-    n=$(cat "$KEEP/regenerated_base.jsonl" $rest | wc -l)
-    cat "$KEEP/regenerated_base.jsonl" $rest > "$KEEP/regenerated.tmp"
+    # keys its first stage on the data file's content. The new conversations first: when the states
+    # of all do not fit the machine, place_states keeps the first conversations that do
+    n=$(cat $rest "$KEEP/regenerated_base.jsonl" | wc -l)
+    cat $rest "$KEEP/regenerated_base.jsonl" > "$KEEP/regenerated.tmp"
     mv "$KEEP/regenerated.tmp" "$KEEP/regenerated.jsonl"
     rm -f "$KEEP/states_placed"  # more conversations: the next train call places their states again
     stamp "conversations to train on: $n"

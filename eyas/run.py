@@ -355,6 +355,8 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
             if s == cfg.stop_after:
                 return record
             continue
+        if s == "extract":
+            _check_train_start(cfg, configs, stages, run_dir, record)
         edited = s == stages[0] and state == "inputs"  # the data file, not an earlier stage
         resuming = claim_stage_dir(s, out, keys[s], fresh=changed or state == "inputs", why_fresh=(
             f"its inputs changed: {configs[s].prepare.data} is not the file it was made from" if edited
@@ -398,6 +400,24 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
     if cfg.note:
         print(f"[eyas:run] note: {cfg.note}", flush=True)
     return record
+
+
+def _check_train_start(cfg: EyasConfig, configs: dict[str, EyasConfig], stages: list[str], run_dir: Path,
+                       record: dict[str, Any]) -> None:
+    """Before extract runs: what train would refuse only after it (its init_from draft's vocabulary
+    against prepare's), recorded as train's failure. Not when train does not run next, or resumes
+    from a checkpoint the user named (init_from then goes unused)."""
+    from eyas.train.build import check_init_vocab
+
+    tc = configs["train"].train if "train" in stages else None
+    if tc is None or cfg.stop_after == "extract" or tc.resume not in ("", "auto"):
+        return
+    try:
+        check_init_vocab(tc, configs["train"].stage_dir("prepare"))
+    except BaseException as e:
+        print("[eyas:run] train: refused before extract runs", file=sys.stderr, flush=True)
+        _record_failure(cfg, run_dir, record, "train", cfg.stage_dir("train"), e, 0.0, time.time())
+        raise
 
 
 def _record_failure(cfg: EyasConfig, run_dir: Path, record: dict[str, Any], stage: str, out: Path,

@@ -14,7 +14,8 @@ DATA = Path(__file__).parent.parent / "data"
                                                     ("smollm2-self-written-regenerated.jsonl.xz", 7436, "self-"),
                                                     ("smollm2-self-written-seed1-regenerated.jsonl.xz", 14866, "self1-"),
                                                     ("smollm2-self-written-seed2-regenerated.jsonl.xz", 11157, "self2-"),
-                                                    ("smollm2-self-written-seed3-regenerated.jsonl.xz", 29697, "self3-")])
+                                                    ("smollm2-self-written-seed3-regenerated.jsonl.xz", 29697, "self3-"),
+                                                    ("smollm2-self-written-steered-seed5-regenerated.jsonl.xz", 21118, "self5-")])
 def test_committed_regenerated_data_is_what_data_readme_says(name, count, self_prefix):
     """The sha256 and the count in the file's data/README.md section, distinct ids, every
     assistant turn non-empty with a finish reason; the self-written ones single-turn, with ids
@@ -38,7 +39,7 @@ def test_committed_regenerated_data_is_what_data_readme_says(name, count, self_p
 
 
 def test_committed_regenerated_files_share_no_id():
-    """bench/smollm2_gpu.sh trains on the five files together (SELF=4): an id in two of them would
+    """bench/smollm2_gpu.sh trains on the six files together (STEERED=1 SELF=4): an id in two of them would
     put two conversations in one held-out group and name two samples alike in errors."""
     seen: dict[str, str] = {}
     for path in sorted(DATA.glob("*.jsonl.xz")):
@@ -46,4 +47,4 @@ def test_committed_regenerated_files_share_no_id():
             i = json.loads(line)["id"]
             assert i not in seen, f"{i} is in both {seen[i]} and {path.name}"
             seen[i] = path.name
-    assert len(seen) == 16813 + 7436 + 14866 + 11157 + 29697
+    assert len(seen) == 16813 + 7436 + 14866 + 11157 + 29697 + 21118

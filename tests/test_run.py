@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from eyas.cli import main as cli
-from extract_helpers import Poison, poison_backend, save_tiny
+from extract_helpers import Poison, poison_backend, save_tiny, write_chats
 
 
 
@@ -381,3 +381,66 @@ def test_inputs_inside_the_stage_directories_a_run_replaces_are_refused(tmp_path
     with pytest.raises(ConfigError, match="inside this run's evaluate directory"):  # the same for stored outputs
         run(load_config(str(y), ["--evaluate.mode=simulate", f"--evaluate.target_outputs={tmp_path / 'run' / 'evaluate'}"]))
     assert not (tmp_path / "run" / "regenerate").exists()
+
+
+def test_a_draft_to_start_from_of_another_vocabulary_is_refused_before_extract(tmp_path, smollm2_dir, capsys):
+    """--train.init_from with a draft whose draft vocabulary is not this prepare's (new data selects
+    another one) fails the run before extract, not after it (session 29 lost 140 s of device time
+    to that): exit 2, summary.json names train. The same draft with prepare's own vocabulary, an
+    export of a whole-vocabulary draft (no d2t/t2d in its file) on a whole-vocabulary prepare, or
+    --train.init_vocab=remap pass that check; a draft for another target is refused as such."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from eyas.config import load_config
+    from eyas.draft import DraftConfig, Eagle3Draft, save_draft
+    from eyas.errors import ArtifactError, ConfigError
+    from eyas.export import export_draft
+    from eyas.train.build import check_init_vocab
+
+    target = save_tiny("llama", tmp_path / "tiny", smollm2_dir)
+    y, run = str(recipe(tmp_path, target)), tmp_path / "run"
+    args = ["--regenerate.enabled=false", f"--prepare.data={write_chats(tmp_path / 'chats.jsonl', 6)}"]
+    assert cli(["run", y, *args, "--stop_after=prepare"]) == 0
+    v = load_file(str(run / "prepare" / "vocab.safetensors"))
+    W, V = v["d2t"].numel(), v["t2d"].numel()
+    ids_W = torch.arange(W) + v["d2t"]  # the draft tokens' target ids, ascending
+    spare = next(i for i in range(V) if not v["t2d"][i])
+    other_ids = torch.tensor(sorted(ids_W[1:].tolist() + [spare]))  # one token swapped for another
+    other_t2d = torch.zeros_like(v["t2d"])
+    other_t2d[other_ids] = True
+    tcfg = AutoConfig.from_pretrained(target)
+    draft = Eagle3Draft(DraftConfig.from_target(tcfg, W, [0, 1, 2]))
+    for name, d2t, t2d in (("same", v["d2t"], v["t2d"]), ("other", other_ids - torch.arange(W), other_t2d)):
+        draft.set_vocab(d2t, t2d)
+        save_draft(draft, tmp_path / name)
+    capsys.readouterr()
+    assert cli(["run", y, *args, f"--train.init_from={tmp_path / 'other'}"]) == 2
+    err = capsys.readouterr().err
+    assert "train: refused before extract runs" in err and "1 of the 500 draft tokens here are not among its 500" in err
+    assert not (run / "extract").exists()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["failed_stage"] == "train" and summary["stages"]["prepare"]["status"] == "skipped"
+    error = summary["stages"]["train"]["error"]
+    assert error["type"].endswith("ArtifactError") and "--train.init_vocab=remap" in error["message"]
+
+    def check(prepare_dir, *extra):
+        check_init_vocab(load_config(y, [*args, *extra]).train, prepare_dir)
+
+    check(run / "prepare", f"--train.init_from={tmp_path / 'same'}")  # no error
+    check(run / "prepare", f"--train.init_from={tmp_path / 'other'}", "--train.init_vocab=remap")
+    whole = tmp_path / "whole"
+    assert cli(["run", y, *args, f"--run_dir={whole}", f"--prepare.draft_vocab_size={V}", "--stop_after=prepare"]) == 0
+    full = Eagle3Draft(DraftConfig.from_target(tcfg, V, [0, 1, 2]))
+    full.set_vocab(torch.zeros(V, dtype=torch.int64), torch.ones(V, dtype=torch.bool))
+    exported = export_draft(full, tmp_path / "exp", formats=("speculators",), dtype="float32", verifier=str(target),
+                            verifier_arch=["LlamaForCausalLM"])["speculators"]
+    assert "d2t" not in load_file(str(exported / "model.safetensors"))
+    check(whole / "prepare", f"--train.init_from={exported}")
+    with pytest.raises(ArtifactError, match="another draft vocabulary"):
+        check(run / "prepare", f"--train.init_from={exported}")
+    wide = Eagle3Draft(DraftConfig.from_target(tcfg, W, [0, 1, 2], vocab_size=V + 1))
+    save_draft(wide, tmp_path / "wide")
+    with pytest.raises(ConfigError, match=f"a draft for another target \\(vocab_size {V + 1} there, {V} here\\)"):
+        check(run / "prepare", f"--train.init_from={tmp_path / 'wide'}", "--train.init_vocab=remap")

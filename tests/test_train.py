@@ -317,7 +317,7 @@ def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_targe
     export, with a fresh optimizer and schedule, and records what it read; another draft shape or
     vocabulary is refused naming what differs, a directory without a draft before any work."""
     from eyas.assets import sha256_file
-    from eyas.draft import load_draft
+    from eyas.draft import load_draft, save_draft
     from eyas.export import export_draft
 
     cpu = torch.device("cpu")
@@ -375,6 +375,13 @@ def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_targe
     assert torch.equal(other.lm_head.weight[: ids_X.numel() - 50], trained.lm_head.weight[100:])
     for (name, p), q in zip(other.named_parameters(), trained.parameters()):
         assert name == "lm_head.weight" or torch.equal(p, q), name
+    # a run refuses a draft of another vocabulary before it reads its data (online: loads the target)
+    save_draft(other, tmp_path / "other")
+    with monkeypatch.context() as m:
+        m.setattr(build, "load_data", lambda *a: pytest.fail("read the data before checking the vocabulary"))
+        with pytest.raises(ArtifactError, match="another draft vocabulary.*--train.init_vocab=remap"):
+            run(tiny_cfg(tmp_path / "o", smol_prep, tiny_target, "--train.mode=online",
+                         f"--train.init_from={tmp_path / 'other'}"))
     # a whole run records the draft it started from, also when it was resumed (the checkpoint keeps it)
     cfg = tiny_cfg(tmp_path / "r", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={exported}",
                    "--train.max_steps=3", "--train.save_every=1", "--train.keep_checkpoints=0")

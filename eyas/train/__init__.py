@@ -74,6 +74,8 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
     try:
         if tc.init_from and resume is None:
             build.check_init_from(tc.init_from)
+            if data is None:  # data given in memory has no prepare directory: build_trainer checks it then
+                build.check_init_vocab(tc, cfg.stage_dir("prepare"))
         if data is None:
             data = build.load_data(cfg, device)
         build.verify_shards(data.source, rank, world_size, device)

@@ -5,6 +5,7 @@ Legend: V target vocab, W draft vocab, D hidden.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 from eyas import vocab
 from eyas.artifacts import hash_json
-from eyas.config import EyasConfig
+from eyas.config import EyasConfig, TrainConfig
 from eyas.draft import SHAPE_FIELDS, DraftConfig, Eagle3Draft, init_flex_attention
 from eyas.errors import ArtifactError, ConfigError
 from eyas.train.data import OnlineStates, split_groups, split_indices
@@ -187,6 +188,70 @@ def check_init_from(path: str) -> Path:
                       f"{DRAFT_WEIGHTS}, as train's final/; an export holds {CONFIG} + {WEIGHTS})")
 
 
+def load_init(path: str, embed_weight_VD: torch.Tensor | None = None) -> tuple[Path, Eagle3Draft]:
+    """train.init_from's draft (either form check_init_from accepts) -> (its weights file, the draft)."""
+    from eyas.draft import DRAFT_WEIGHTS, load_draft
+    from eyas.export import load_exported
+
+    weights = check_init_from(path)
+    load = load_draft if weights.name == DRAFT_WEIGHTS else load_exported
+    return weights, load(weights.parent, embed_weight_VD)
+
+
+def init_from_vocab(path: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """train.init_from's draft vocabulary (d2t, t2d) and its target's vocab_size, read without
+    building the draft (whose embedding would be the target's V x D). An export of a draft whose
+    draft vocabulary is the whole vocabulary holds no d2t/t2d: the identity then, as load_exported reads it."""
+    from safetensors import safe_open
+
+    from eyas.draft import DRAFT_CONFIG, DRAFT_WEIGHTS
+    from eyas.export import CONFIG, exported_draft_config
+
+    weights = check_init_from(path)
+    if weights.name == DRAFT_WEIGHTS:
+        dcfg = DraftConfig(**json.loads((weights.parent / DRAFT_CONFIG).read_text()))
+    else:
+        dcfg = exported_draft_config(json.loads((weights.parent / CONFIG).read_text()))
+    with safe_open(str(weights), "pt") as f:
+        if "d2t" in f.keys():
+            return f.get_tensor("d2t"), f.get_tensor("t2d"), dcfg.vocab_size
+    return (torch.zeros(dcfg.draft_vocab_size, dtype=torch.int64), torch.ones(dcfg.vocab_size, dtype=torch.bool),
+            dcfg.vocab_size)
+
+
+def is_same_vocab(src_d2t: torch.Tensor, src_t2d: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> bool:
+    return src_d2t.shape == d2t.shape and src_t2d.shape == t2d.shape and torch.equal(
+        src_d2t, d2t.to(src_d2t.device)) and torch.equal(src_t2d, t2d.to(src_t2d.device))
+
+
+def other_vocab(path: str, src_d2t: torch.Tensor, d2t: torch.Tensor) -> ArtifactError:
+    theirs = set((torch.arange(src_d2t.numel()) + src_d2t.cpu()).tolist())
+    missing = sum(1 for i in (torch.arange(d2t.numel()) + d2t.cpu()).tolist() if i not in theirs)
+    return ArtifactError(f"train.init_from={path!r} has another draft vocabulary than this run's prepare stage "
+                         f"(d2t/t2d: {missing} of the {d2t.numel()} draft tokens here are not among its "
+                         f"{src_d2t.numel()}): prepare with the draft_vocab_size and data it was trained on, start "
+                         "without it, or pass --train.init_vocab=remap to carry its lm_head rows over by token")
+
+
+def check_init_vocab(tc: TrainConfig, prepare_dir: Path) -> None:
+    """train.init_from's draft vocabulary against prepare's (its vocab.safetensors) unless
+    train.init_vocab=remap maps one onto the other, before anything expensive: `eyas run` checks
+    it before extract, train before it loads the data (new data selects another draft vocabulary:
+    session 29's run found out only after 96 s of extract and 44 s of hashing its shards). A
+    draft for a target of another vocabulary is refused even with remap: nothing carries it over."""
+    from safetensors.torch import load_file
+
+    if not tc.init_from:
+        return
+    v = load_file(str(Path(prepare_dir) / "vocab.safetensors"))
+    src_d2t, src_t2d, vocab_size = init_from_vocab(tc.init_from)
+    if vocab_size != v["t2d"].numel():
+        raise ConfigError(f"train.init_from={tc.init_from!r} is a draft for another target (vocab_size {vocab_size} "
+                          f"there, {v['t2d'].numel()} here): start without it")
+    if tc.init_vocab != "remap" and not is_same_vocab(src_d2t, src_t2d, v["d2t"], v["t2d"]):
+        raise other_vocab(tc.init_from, src_d2t, v["d2t"])
+
+
 def init_weights(
     draft: Eagle3Draft, path: str, d2t: torch.Tensor, t2d: torch.Tensor, lm_head_VD: torch.Tensor | None = None,
     remap: bool = False,
@@ -197,25 +262,17 @@ def init_weights(
     vocabulary; `remap` (--train.init_vocab=remap) allows another draft vocabulary: lm_head rows
     by target token (`remap_head`, which needs the target's `lm_head_VD`)."""
     from eyas.assets import sha256_file
-    from eyas.draft import DRAFT_WEIGHTS, load_draft
-    from eyas.export import load_exported
 
-    weights = check_init_from(path)
-    load = load_draft if weights.name == DRAFT_WEIGHTS else load_exported
-    src = load(weights.parent, draft.embed_weight)
+    weights, src = load_init(path, draft.embed_weight)
     have, want = src.config.to_dict(), draft.config.to_dict()
     fields = [k for k in SHAPE_FIELDS if k != "draft_vocab_size"]  # the vocabulary check below says more
     diff = ", ".join(f"{k} {have[k]} there, {want[k]} here" for k in fields if have[k] != want[k])
     if diff:
         raise ConfigError(f"train.init_from={path!r} is another draft shape ({diff}): set the --train.* shape keys "
                           "(intermediate_size, num_layers, heads) to the draft's, or start without it")
-    same_vocab = src.d2t.shape == d2t.shape and torch.equal(src.d2t, d2t.to(src.d2t.device)) and torch.equal(
-        src.t2d, t2d.to(src.t2d.device))
+    same_vocab = is_same_vocab(src.d2t, src.t2d, d2t, t2d)
     if not same_vocab and not remap:
-        raise ArtifactError(f"train.init_from={path!r} has another draft vocabulary (d2t/t2d; draft_vocab_size "
-                            f"{have['draft_vocab_size']} there, {want['draft_vocab_size']} here) than this run's prepare "
-                            "stage: prepare with the draft_vocab_size and data it was trained on, start without it, "
-                            "or pass --train.init_vocab=remap to carry its lm_head rows over by token")
+        raise other_vocab(path, src.d2t, d2t)
     trained = dict(src.named_parameters())
     record: dict[str, Any] = {"dir": str(weights.parent), "weights_sha256": sha256_file(weights)}
     with torch.no_grad():
