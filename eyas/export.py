@@ -388,6 +388,11 @@ def exported_draft_config(config: dict[str, Any]) -> DraftConfig:
     )
 
 
+def whole_vocab(cfg: DraftConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """d2t, t2d of an export that holds none (W == V: its lm_head rows are in target order)."""
+    return torch.zeros(cfg.draft_vocab_size, dtype=torch.int64), torch.ones(cfg.vocab_size, dtype=torch.bool)
+
+
 def load_exported(directory: str | Path, embed_weight_VD: torch.Tensor | None = None) -> Eagle3Draft:
     """An exported directory (either layout) back as an eyas draft (float32 parameters)."""
     d = Path(directory)
@@ -401,9 +406,8 @@ def load_exported(directory: str | Path, embed_weight_VD: torch.Tensor | None = 
     if unknown:
         raise ArtifactError(f"{d / WEIGHTS}: tensors outside the key table: {unknown}")
     sd = {inverse[k]: v for k, v in tensors.items()}
-    if "d2t" not in sd:  # W == V: lm_head rows are in target order
-        sd["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
-        sd["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    if "d2t" not in sd:
+        sd["d2t"], sd["t2d"] = whole_vocab(cfg)
     model = Eagle3Draft(cfg, embed_weight_VD)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [k for k in missing if k != "embed_weight"]

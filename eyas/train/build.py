@@ -188,16 +188,6 @@ def check_init_from(path: str) -> Path:
                       f"{DRAFT_WEIGHTS}, as train's final/; an export holds {CONFIG} + {WEIGHTS})")
 
 
-def load_init(path: str, embed_weight_VD: torch.Tensor | None = None) -> tuple[Path, Eagle3Draft]:
-    """train.init_from's draft (either form check_init_from accepts) -> (its weights file, the draft)."""
-    from eyas.draft import DRAFT_WEIGHTS, load_draft
-    from eyas.export import load_exported
-
-    weights = check_init_from(path)
-    load = load_draft if weights.name == DRAFT_WEIGHTS else load_exported
-    return weights, load(weights.parent, embed_weight_VD)
-
-
 def init_from_vocab(path: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     """train.init_from's draft vocabulary (d2t, t2d) and its target's vocab_size, read without
     building the draft (whose embedding would be the target's V x D). An export of a draft whose
@@ -205,7 +195,7 @@ def init_from_vocab(path: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     from safetensors import safe_open
 
     from eyas.draft import DRAFT_CONFIG, DRAFT_WEIGHTS
-    from eyas.export import CONFIG, exported_draft_config
+    from eyas.export import CONFIG, exported_draft_config, whole_vocab
 
     weights = check_init_from(path)
     if weights.name == DRAFT_WEIGHTS:
@@ -215,8 +205,7 @@ def init_from_vocab(path: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     with safe_open(str(weights), "pt") as f:
         if "d2t" in f.keys():
             return f.get_tensor("d2t"), f.get_tensor("t2d"), dcfg.vocab_size
-    return (torch.zeros(dcfg.draft_vocab_size, dtype=torch.int64), torch.ones(dcfg.vocab_size, dtype=torch.bool),
-            dcfg.vocab_size)
+    return *whole_vocab(dcfg), dcfg.vocab_size
 
 
 def is_same_vocab(src_d2t: torch.Tensor, src_t2d: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> bool:
@@ -262,8 +251,12 @@ def init_weights(
     vocabulary; `remap` (--train.init_vocab=remap) allows another draft vocabulary: lm_head rows
     by target token (`remap_head`, which needs the target's `lm_head_VD`)."""
     from eyas.assets import sha256_file
+    from eyas.draft import DRAFT_WEIGHTS, load_draft
+    from eyas.export import load_exported
 
-    weights, src = load_init(path, draft.embed_weight)
+    weights = check_init_from(path)
+    load = load_draft if weights.name == DRAFT_WEIGHTS else load_exported
+    src = load(weights.parent, draft.embed_weight)
     have, want = src.config.to_dict(), draft.config.to_dict()
     fields = [k for k in SHAPE_FIELDS if k != "draft_vocab_size"]  # the vocabulary check below says more
     diff = ", ".join(f"{k} {have[k]} there, {want[k]} here" for k in fields if have[k] != want[k])
