@@ -450,6 +450,38 @@ def test_remap_head_copies_shared_tokens_and_fits_the_rest():
         build.remap_head(head_UD, src_d2t, torch.tensor([0, 5]) - torch.arange(2), lm_head_VD)
 
 
+def test_with_vocab_moves_a_draft_to_another_vocabulary_keeping_its_proposals():
+    """bench/draft_variants.py whole-vocab: a W = 10 draft of a V = 40 target moved to W = V keeps
+    its layers and the logit of each of its tokens; the 30 new tokens get rows fitted from the
+    target's (remap_head, tested above). Moved back, it is the first draft again."""
+    from transformers import LlamaConfig
+
+    from eyas.draft import DraftConfig
+    from eyas.vocab import d2t_t2d
+
+    tcfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                       num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.from_target(tcfg, draft_vocab_size=10, aux_layer_ids=[0, 1, 2]), torch.randn(40, 16))
+    ids = torch.tensor([1, 3, 4, 8, 13, 21, 22, 30, 31, 39])
+    draft.set_vocab(*d2t_t2d(ids.numpy(), 40))
+    lm_head_VD = torch.randn(40, 16)
+    full, counts = build.with_vocab(draft, torch.zeros(40, dtype=torch.int64), torch.ones(40, dtype=torch.bool), lm_head_VD)
+    assert counts == {"copied": 10, "new": 30}
+    assert full.config.draft_vocab_size == 40 and torch.equal(full.embed_weight, draft.embed_weight)
+    trained = dict(draft.named_parameters())
+    for name, p in full.named_parameters():
+        assert name == "lm_head.weight" or torch.equal(p, trained[name]), name
+    h_BSD = torch.randn(1, 5, 16)
+    with torch.no_grad():
+        # draft id = target id at W = V (equal up to the matmul's blocking over another W)
+        torch.testing.assert_close(full.logits(h_BSD)[..., ids], draft.logits(h_BSD), rtol=1e-6, atol=1e-6)
+    back, counts = build.with_vocab(full, draft.d2t, draft.t2d, lm_head_VD)
+    assert counts == {"copied": 10, "new": 0}
+    assert all(torch.equal(p, trained[name]) for name, p in back.named_parameters())
+    assert torch.equal(back.d2t, draft.d2t) and torch.equal(back.t2d, draft.t2d)
+
+
 @pytest.mark.parametrize("group_tokens", [0, 40])
 def test_offline_equals_online_for_one_step(tmp_path, smol_prep, tiny_target, group_tokens):
     """One optimizer step on states the target captures per batch (one forward per batch, or in

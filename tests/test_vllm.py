@@ -37,7 +37,6 @@ Runtime on 2 CPU cores (shared, so noisy): ~3-8 minutes (12 vLLM engines in one 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -151,18 +150,12 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     # fitted with W = 1024, moved to V by --train.init_vocab=remap's lm_head remap (fitting at W = V
     # directly costs minutes here), its rows in a shuffled draft order (prepare's own d2t would be
     # all zeros: the shuffle tests the export's reordering); the export drops d2t, vLLM maps nothing
-    from eyas.draft import Eagle3Draft
-    from eyas.train.build import remap_head
+    from eyas.train.build import with_vocab
 
     v = tcfg.vocab_size
     small = fitted_draft(target, seqs, aux_layer_ids=AUX, draft_vocab=1024)
-    full = Eagle3Draft(dataclasses.replace(small.config, draft_vocab_size=v), embed_VD)
     ids_W = torch.randperm(v, generator=torch.Generator().manual_seed(2))
-    full.set_vocab(ids_W - torch.arange(v), torch.ones(v, dtype=torch.bool))
-    with torch.no_grad():
-        full.load_state_dict({k: t for k, t in small.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")},
-                             strict=False)
-        full.lm_head.weight.copy_(remap_head(small.lm_head.weight, small.d2t, full.d2t, target.lm_head.weight)[0])
+    full, _ = with_vocab(small, ids_W - torch.arange(v), torch.ones(v, dtype=torch.bool), target.lm_head.weight)
     full_vocab = export_draft(full, work / "full_vocab", formats=("speculators",), **verifier, num_speculative_tokens=K)
     full_outputs, full_stats = chain_eval(target, load_exported(full_vocab["speculators"], embed_VD).eval(), prompts)
     full_in_memory = chain_eval(target, full.eval(), prompts)[1]  # before the export's reordering

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +309,23 @@ def remap_head(
         out_WD[~shared_W] = target_WD[~shared_W] @ fit_DD
     return out_WD, {"copied": n_shared, "new": ids_W.numel() - n_shared}
 
+
+
+def with_vocab(
+    draft: Eagle3Draft, d2t: torch.Tensor, t2d: torch.Tensor, lm_head_VD: torch.Tensor
+) -> tuple[Eagle3Draft, dict[str, int]]:
+    """`draft` moved to the draft vocabulary `d2t`/`t2d` (W = len(d2t): another selection, or the
+    whole vocabulary with d2t all zeros) -> a new draft with the same layers and its lm_head by token
+    (`remap_head`), and {copied, new}. What --train.init_vocab=remap does at a training's start, for
+    a draft outside any training (bench/draft_variants.py)."""
+    out = Eagle3Draft(replace(draft.config, draft_vocab_size=d2t.numel()), draft.embed_weight)
+    out.set_vocab(d2t, t2d)
+    head_WD, counts = remap_head(draft.lm_head.weight, draft.d2t, d2t, lm_head_VD)
+    trained = dict(draft.named_parameters())
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            p.copy_(head_WD if name == "lm_head.weight" else trained[name])
+    return out, counts
 
 def build_trainer(
     cfg: EyasConfig, data: TrainData, device: torch.device, rank: int = 0, world_size: int = 1, total_steps: int = 1,
