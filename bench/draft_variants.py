@@ -12,47 +12,67 @@ on them:
     python bench/draft_variants.py mean OUT_DIR DRAFT DRAFT [DRAFT ...] [--target.model=...]
     python bench/draft_variants.py whole-vocab OUT_DIR DRAFT [--target.model=...]
 
-Each writes OUT_DIR/speculators (bf16, the layout eyas's GPU runs return). The target (default
-embedded:smollm2) names the verifier, checks the aux layers, and gives whole-vocab its lm_head.
+Each writes OUT_DIR/speculators (bf16, the layout eyas's GPU runs return; the first draft's chain
+length) and OUT_DIR/variant.json (the kind, each input's sha256, the lm_head rows carried over). The
+target (default embedded:smollm2) must be the drafts' own: it names the verifier, checks the aux
+layers, and gives whole-vocab its lm_head.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 
+def speculative_tokens(draft_dir: str) -> int:
+    """The chain length a speculators export proposes (3, eyas's default, for an sglang one)."""
+    config = json.loads((Path(draft_dir) / "config.json").read_text())
+    methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    return int(methods[0].get("speculative_tokens", 3))
+
+
 def main(kind: str, out_dir: str, drafts: list[str], target_model: str) -> None:
+    from eyas.artifacts import atomic_write_text
+    from eyas.assets import sha256_file
     from eyas.average import average_drafts
     from eyas.config import load_config
-    from eyas.export import export_draft, load_exported, whole_vocab
+    from eyas.export import WEIGHTS, check_target, export_draft, load_exported, whole_vocab
     from eyas.target import load_config as load_target_config
     from eyas.target import load_model, model_path
     from eyas.train.build import with_vocab
 
+    if kind == "mean" and len(drafts) < 2:
+        raise SystemExit("mean needs two drafts or more")
+    if kind == "whole-vocab" and len(drafts) != 1:
+        raise SystemExit("whole-vocab takes one draft")
+    out = Path(out_dir)
+    if (out / "speculators").exists():
+        raise SystemExit(f"{out / 'speculators'} exists: pick another OUT_DIR or remove it")
     cfg = load_config(None, [f"--target.model={target_model}", "--target.dtype=float32"])
     tcfg = load_target_config(cfg.target)
     models = [load_exported(d) for d in drafts]
+    for m in models:
+        check_target(m.config, tcfg)
+    model = models[0]
     if kind == "mean":
-        if len(models) < 2:
-            raise SystemExit("mean needs two drafts or more")
-        model = models[0]
-        shared = average_drafts(model, models[1:], drafts[1:])
-        print(f"mean of {len(models)} drafts; lm_head rows shared with the first: {[s['lm_head_rows_shared'] for s in shared]}")
+        counts = {"lm_head_rows_shared": [s["lm_head_rows_shared"] for s in average_drafts(model, models[1:], drafts[1:])]}
+        print(f"mean of {len(models)} drafts; lm_head rows shared with the first: {counts['lm_head_rows_shared']}")
     else:
-        if len(models) != 1:
-            raise SystemExit("whole-vocab takes one draft")
         target = load_model(cfg.target, device=torch.device("cpu"))
-        lm_head_VD = target.get_output_embeddings().weight.detach()
-        d2t, t2d = whole_vocab(replace(models[0].config, draft_vocab_size=lm_head_VD.shape[0]))
-        model, record = with_vocab(models[0], d2t, t2d, lm_head_VD)
-        print(f"whole vocabulary: {record['copied']:,} lm_head rows copied, {record['new']:,} fitted")
-    written = export_draft(model, Path(out_dir), ("speculators",), "bfloat16", num_target_layers=tcfg.num_hidden_layers,
-                           verifier=model_path(cfg.target), verifier_arch=list(getattr(tcfg, "architectures", None) or []))
-    print(f"-> {written['speculators']}")
+        d2t, _ = whole_vocab(replace(model.config, draft_vocab_size=model.config.vocab_size))
+        model, counts = with_vocab(model, d2t, target.get_output_embeddings().weight.detach())
+        print(f"whole vocabulary: {counts['copied']:,} lm_head rows copied, {counts['new']:,} fitted")
+    written = export_draft(model, out, ("speculators",), "bfloat16", num_target_layers=tcfg.num_hidden_layers,
+                           verifier=model_path(cfg.target), verifier_arch=list(getattr(tcfg, "architectures", None) or []),
+                           num_speculative_tokens=speculative_tokens(drafts[0]))
+    inputs = [{"dir": str(Path(d).resolve()), "weights_sha256": sha256_file(Path(d) / WEIGHTS)} for d in drafts]
+    atomic_write_text(out / "variant.json", json.dumps({"kind": kind, "inputs": inputs, "target": target_model,
+                                                        **counts}, indent=1) + "\n")
+    print(f"-> {written['speculators']} (what it was made from: {out / 'variant.json'})")
 
 
 if __name__ == "__main__":

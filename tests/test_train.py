@@ -450,10 +450,12 @@ def test_remap_head_copies_shared_tokens_and_fits_the_rest():
         build.remap_head(head_UD, src_d2t, torch.tensor([0, 5]) - torch.arange(2), lm_head_VD)
 
 
-def test_with_vocab_moves_a_draft_to_another_vocabulary_keeping_its_proposals():
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_with_vocab_moves_a_draft_to_another_vocabulary_keeping_its_proposals(num_layers):
     """bench/draft_variants.py whole-vocab: a W = 10 draft of a V = 40 target moved to W = V keeps
     its layers and the logit of each of its tokens; the 30 new tokens get rows fitted from the
-    target's (remap_head, tested above). Moved back, it is the first draft again."""
+    target's (remap_head, tested above). Moved back, it is the first draft again. Another target's
+    lm_head is refused."""
     from transformers import LlamaConfig
 
     from eyas.draft import DraftConfig
@@ -462,24 +464,30 @@ def test_with_vocab_moves_a_draft_to_another_vocabulary_keeping_its_proposals():
     tcfg = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
                        num_attention_heads=2, num_key_value_heads=1)
     torch.manual_seed(0)
-    draft = Eagle3Draft(DraftConfig.from_target(tcfg, draft_vocab_size=10, aux_layer_ids=[0, 1, 2]), torch.randn(40, 16))
+    cfg = DraftConfig.from_target(tcfg, draft_vocab_size=10, aux_layer_ids=[0, 1, 2], num_layers=num_layers)
+    draft = Eagle3Draft(cfg, torch.randn(40, 16))
     ids = torch.tensor([1, 3, 4, 8, 13, 21, 22, 30, 31, 39])
     draft.set_vocab(*d2t_t2d(ids.numpy(), 40))
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
     lm_head_VD = torch.randn(40, 16)
-    full, counts = build.with_vocab(draft, torch.zeros(40, dtype=torch.int64), torch.ones(40, dtype=torch.bool), lm_head_VD)
+    full, counts = build.with_vocab(draft, torch.zeros(40, dtype=torch.int64), lm_head_VD)
     assert counts == {"copied": 10, "new": 30}
-    assert full.config.draft_vocab_size == 40 and torch.equal(full.embed_weight, draft.embed_weight)
-    trained = dict(draft.named_parameters())
+    assert full.config.draft_vocab_size == 40 and full.t2d.all() and not full.d2t.any()
+    assert all(torch.equal(v, draft.state_dict()[k]) for k, v in before.items())  # the source is untouched
     for name, p in full.named_parameters():
-        assert name == "lm_head.weight" or torch.equal(p, trained[name]), name
+        if name == "lm_head.weight":
+            assert torch.equal(p, build.remap_head(before[name], draft.d2t, full.d2t, lm_head_VD)[0])
+        else:
+            assert torch.equal(p, before[name]) and p.data_ptr() != draft.get_parameter(name).data_ptr(), name
     h_BSD = torch.randn(1, 5, 16)
     with torch.no_grad():
         # draft id = target id at W = V (equal up to the matmul's blocking over another W)
         torch.testing.assert_close(full.logits(h_BSD)[..., ids], draft.logits(h_BSD), rtol=1e-6, atol=1e-6)
-    back, counts = build.with_vocab(full, draft.d2t, draft.t2d, lm_head_VD)
+    back, counts = build.with_vocab(full, draft.d2t, lm_head_VD)
     assert counts == {"copied": 10, "new": 0}
-    assert all(torch.equal(p, trained[name]) for name, p in back.named_parameters())
-    assert torch.equal(back.d2t, draft.d2t) and torch.equal(back.t2d, draft.t2d)
+    assert all(torch.equal(v, before[k]) for k, v in back.state_dict().items())
+    with pytest.raises(ValueError, match="the draft's own target"):
+        build.with_vocab(draft, torch.zeros(48, dtype=torch.int64), torch.randn(48, 16))
 
 
 @pytest.mark.parametrize("group_tokens", [0, 40])

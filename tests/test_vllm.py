@@ -155,7 +155,7 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     v = tcfg.vocab_size
     small = fitted_draft(target, seqs, aux_layer_ids=AUX, draft_vocab=1024)
     ids_W = torch.randperm(v, generator=torch.Generator().manual_seed(2))
-    full, _ = with_vocab(small, ids_W - torch.arange(v), torch.ones(v, dtype=torch.bool), target.lm_head.weight)
+    full, _ = with_vocab(small, ids_W - torch.arange(v), target.lm_head.weight)
     full_vocab = export_draft(full, work / "full_vocab", formats=("speculators",), **verifier, num_speculative_tokens=K)
     full_outputs, full_stats = chain_eval(target, load_exported(full_vocab["speculators"], embed_VD).eval(), prompts)
     full_in_memory = chain_eval(target, full.eval(), prompts)[1]  # before the export's reordering

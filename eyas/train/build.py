@@ -310,22 +310,29 @@ def remap_head(
     return out_WD, {"copied": n_shared, "new": ids_W.numel() - n_shared}
 
 
-
-def with_vocab(
-    draft: Eagle3Draft, d2t: torch.Tensor, t2d: torch.Tensor, lm_head_VD: torch.Tensor
-) -> tuple[Eagle3Draft, dict[str, int]]:
-    """`draft` moved to the draft vocabulary `d2t`/`t2d` (W = len(d2t): another selection, or the
-    whole vocabulary with d2t all zeros) -> a new draft with the same layers and its lm_head by token
-    (`remap_head`), and {copied, new}. What --train.init_vocab=remap does at a training's start, for
-    a draft outside any training (bench/draft_variants.py)."""
-    out = Eagle3Draft(replace(draft.config, draft_vocab_size=d2t.numel()), draft.embed_weight)
-    out.set_vocab(d2t, t2d)
+def with_vocab(draft: Eagle3Draft, d2t: torch.Tensor, lm_head_VD: torch.Tensor) -> tuple[Eagle3Draft, dict[str, int]]:
+    """`draft` moved to the draft vocabulary `d2t` (W = len(d2t): another selection, or the whole
+    vocabulary with d2t all zeros) -> a new draft with the same layers, dtype and device and its
+    lm_head by token (`remap_head`), and {copied, new}. What --train.init_vocab=remap does at a
+    training's start, for a draft outside any training (bench/draft_variants.py). `lm_head_VD` must
+    be the draft's target's: its V and D are checked."""
+    c = draft.config
+    if tuple(lm_head_VD.shape) != (c.vocab_size, c.target_hidden_size):
+        raise ValueError(f"with_vocab: the target lm_head is {tuple(lm_head_VD.shape)}, the draft's target has "
+                         f"vocab_size {c.vocab_size} and hidden size {c.target_hidden_size}: pass the draft's own target")
+    ids_W = vocab.draft_to_target(torch.arange(d2t.numel()), d2t.cpu())
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[ids_W] = True
+    out = Eagle3Draft(replace(c, draft_vocab_size=d2t.numel()), draft.embed_weight)
+    out.set_vocab(d2t.cpu(), t2d)
+    out.to(device=draft.fc.weight.device, dtype=draft.fc.weight.dtype)
     head_WD, counts = remap_head(draft.lm_head.weight, draft.d2t, d2t, lm_head_VD)
     trained = dict(draft.named_parameters())
     with torch.no_grad():
         for name, p in out.named_parameters():
             p.copy_(head_WD if name == "lm_head.weight" else trained[name])
     return out, counts
+
 
 def build_trainer(
     cfg: EyasConfig, data: TrainData, device: torch.device, rank: int = 0, world_size: int = 1, total_steps: int = 1,
