@@ -1,8 +1,8 @@
-# eyas: `make demo` (the embedded CPU demo) and `make test` (the test suite CI runs).
-# Each creates its own virtual environment in $(VENV) on first use.
+# eyas: `make demo` (the embedded CPU demo) and `make test` (the test suite CI runs, .ci/run).
+# Each creates its own virtual environment in $(VENV) on first use (`make setup` does only that).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# On this CPU fleet torch 2.13.0 is a local CPU wheel; elsewhere set TORCH_SPEC (e.g. TORCH_SPEC=torch).
+# TORCH_SPEC: the torch `make setup` installs (CI pins 2.13.0); override it, e.g. `make demo TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
@@ -20,6 +20,7 @@ $(VENV)/.eyas-installed: pyproject.toml
 	$(PIP) -e ".[test,assets,plot]"
 	touch $@
 
+# every stage on SmolLM2-135M-Instruct and 200 ShareGPT conversations, on a CPU
 demo: setup
 	$(VENV)/bin/eyas run recipes/demo-cpu.yaml
 
@@ -27,11 +28,14 @@ demo: setup
 vllm-venv:
 	scripts/vllm-venv.sh
 
+# the whole suite, as CI runs it
 test: setup vllm-venv
 	$(PY) -m pytest -q -rs
 
+# without the tests marked slow or vllm (no vLLM venv needed)
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not vllm"
 
+# remove $(VENV); the next `make demo` or `make test` creates it again
 clean-venv:
 	rm -rf $(VENV)

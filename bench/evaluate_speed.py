@@ -2,11 +2,17 @@
 reference path (transformers DynamicCache, eager) and with eyas's static caches + CUDA graphs.
 
     python bench/evaluate_speed.py --target DIR_OR_CONFIG_DIR [--random-weights] [--new 128]
-    OUT=/tmp/o python bench/evaluate_speed.py ...        # also writes $OUT/bench_evaluate_speed.json
+    OUT=DIR python bench/evaluate_speed.py ...           # also writes DIR/bench_evaluate_speed.json
 
 The draft is a random Eagle3Draft shaped from the target (aux layers [2, L//2, L-3], W 32000), so
 tau is ~1: what this measures is the time of one verify pass and of one round of drafting, and
-that both paths give the same tokens. Prompts: chat-rendered MT-bench-like questions.
+that both paths give the same tokens. Prompts: chat-rendered MT-bench-like questions. Output per
+path and mode: ms per token and per verify pass; then whether graphs and eager, and speculative and
+target-only decoding, gave the same tokens. Without a GPU it runs on the CPU: a check of the script
+only, e.g. with the embedded SmolLM2-135M's config:
+
+    python bench/evaluate_speed.py --random-weights --new 8 \\
+        --target $(python -c "from eyas.assets import smollm2_dir; print(smollm2_dir())")
 """
 
 from __future__ import annotations
@@ -18,11 +24,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from eyas.draft import DraftConfig, Eagle3Draft  # noqa: E402
 from eyas.spec import speculative_generate, target_generate  # noqa: E402
 from eyas.spec.static import StaticEngine  # noqa: E402
 
@@ -33,16 +40,25 @@ QUESTIONS = [
 ]
 
 
+def random_draft(target, aux_layer_ids: list[int], draft_vocab_size: int) -> Eagle3Draft:
+    """An untrained draft shaped from the target, its vocabulary the first `draft_vocab_size` ids."""
+    from eyas.vocab import d2t_t2d
+
+    torch.manual_seed(0)
+    cfg = DraftConfig.from_target(target.config, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_layer_ids)
+    draft = Eagle3Draft(cfg, target.get_input_embeddings().weight)
+    draft.set_vocab(*d2t_t2d(np.arange(draft_vocab_size), target.config.vocab_size))
+    return draft.eval().requires_grad_(False)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", required=True, help="the target's directory (its config and tokenizer at least)")
     p.add_argument("--random-weights", action="store_true", help="build the target from its config, random bf16")
-    p.add_argument("--new", type=int, default=128)
-    p.add_argument("--draft-vocab", type=int, default=32000)
+    p.add_argument("--new", type=int, default=128, help="tokens decoded per prompt")
+    p.add_argument("--draft-vocab", type=int, default=32000, help="the random draft's vocabulary size W")
     args = p.parse_args()
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from spec_helpers import random_draft
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a check of the script only
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -55,8 +71,7 @@ def main() -> None:
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16, attn_implementation="sdpa")
     target = target.to(dev).eval().requires_grad_(False)
     n = target.config.num_hidden_layers
-    draft = random_draft(target, aux_layer_ids=(2, n // 2, n - 3), draft_tokens=list(range(args.draft_vocab)), seed=0)
-    draft = draft.to(dev, target.dtype)
+    draft = random_draft(target, [2, n // 2, n - 3], args.draft_vocab).to(dev, target.dtype)
     engine = StaticEngine(target, draft, max_len=2048)
     prompts = [torch.tensor(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                     tokenize=True, return_dict=False), device=dev) for q in QUESTIONS]

@@ -1,9 +1,9 @@
 """Extract throughput: eyas variants vs the bare forward and the naive HF loop, in one run, one model.
 
     python bench/extract.py                              # Llama-3.1-8B arch, random bf16 weights, 1 GPU
-    OUT=/tmp/o python bench/extract.py --profile         # + where the time goes; writes $OUT/bench_extract.json
+    OUT=DIR python bench/extract.py --profile            # + where the time goes; writes DIR/bench_extract.json
     python bench/extract.py --variants default,compile+budget32k --tokens 700000
-    python bench/extract.py --preset tiny --variants default,pack,budget1k   # a CPU smoke run of this script
+    python bench/extract.py --preset tiny --variants default,pack,budget4k   # a CPU smoke run of this script
 
 It builds the target from a config in GPU memory (no download, no weights on disk), writes a
 synthetic prepare output (lengths lognormal with mean ~870, clipped to 64..2048; random token ids)
@@ -30,8 +30,8 @@ reported apart and not counted in tok/s; the table flags a graph compiled during
 writer threads. Variants that would end past --deadline-s are skipped, and the JSON is rewritten
 after each variant, so a slow compile still leaves a table.
 
---discard measures runs longer than the disk holds (one H200 machine here has 64 GB: ~1.8M tokens of
-Llama-3.1-8B states): as soon as a shard is complete (written, fsynced, renamed, journaled) a
+--discard measures runs longer than the disk holds (a 64 GB disk holds ~1.8M tokens of Llama-3.1-8B
+states): as soon as a shard is complete (written, fsynced, renamed, journaled) a
 thread replaces it with a sparse file of the same size, so its bytes have reached the disk and are
 counted but stop occupying it; the stage's free-disk check then asks for room for the shards in
 flight only. The states are unreadable afterwards (the bench deletes them anyway).

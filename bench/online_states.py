@@ -3,14 +3,16 @@ longest (one forward: the default) against grouped by length (`row_groups`), on 
 target of the given config and batches packed as training packs them from real conversations (the
 regenerated data/ files, tokenized with the target's chat template):
 
-    python3 bench/online_states.py .carry/cfg/smolcfg data/smollm2-*.jsonl.xz --out $OUT/online_states.json
+    python bench/online_states.py CONFIG_DIR DATA.jsonl.xz [DATA.jsonl.xz ...] [--out online_states.json]
+    python bench/online_states.py $(python -c "from eyas.assets import smollm2_dir; print(smollm2_dir())") \\
+        data/smollm2-*.jsonl.xz --out online_states.json      # SmolLM2-135M's config, the data/ files
 
 Prints and writes, per group overhead and SDPA kernels allowed (`--backends`: eyas = OnlineStates'
 default, ONLINE_SDPA; all (or default) = no restriction, PyTorch's own pick; or flash, efficient,
 cudnn alone): milliseconds per batch, real tokens/s, forwards per batch and padded/real tokens,
 for a first pass over the batches and a second over the same ones (shapes already seen: a kernel
 that plans per shape is only slow on the first). The warm-up runs on batches outside the timed
-ones; caches other than the kernels' (the allocator's) carry over from one row to the next, so
+ones; caches other than the kernels' (the allocator's) persist from one row to the next, so
 for a clean first pass give one backend per run. Random weights: the
 forward's cost does not depend on their values.
 """
@@ -49,17 +51,17 @@ def sample_ids(tok, files: list[str], per_file: int, max_length: int, seed: int)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config_dir", help="the target's config.json and tokenizer (no weights needed)")
     ap.add_argument("data", nargs="+", help="conversation files (.jsonl.xz, OpenAI messages)")
-    ap.add_argument("--per-file", type=int, default=2000)
-    ap.add_argument("--max-length", type=int, default=2048)
-    ap.add_argument("--max-tokens", type=int, default=16384)
-    ap.add_argument("--batches", type=int, default=40)
+    ap.add_argument("--per-file", type=int, default=2000, help="conversations sampled from each file")
+    ap.add_argument("--max-length", type=int, default=2048, help="tokens kept of each conversation")
+    ap.add_argument("--max-tokens", type=int, default=16384, help="tokens per packed batch")
+    ap.add_argument("--batches", type=int, default=40, help="timed batches")
     ap.add_argument("--overheads", default="none,2048", help="group_overhead_tokens to compare (none: one forward)")
     ap.add_argument("--backends", default="eyas,all", help="SDPA kernels to compare: " + ",".join(BACKENDS))
-    ap.add_argument("--layers", default="2,15,27")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--layers", default="2,15,27", help="the aux layers captured")
+    ap.add_argument("--out", default="", help="also write the results to this JSON file")
     args = ap.parse_args()
     unknown = [b for b in args.backends.split(",") if b not in BACKENDS]
     if unknown:

@@ -1,10 +1,10 @@
-"""Issue 7 at scale: a DeepSeek-V3-shaped target over N GPUs, data-parallel extraction, FSDP2 training.
+"""eyas at scale: a DeepSeek-V3-shaped target over N GPUs, data-parallel extraction, FSDP2 training.
 
 Each subcommand is one self-contained step of under 10 minutes that prints its results as one JSON
 line (the last line of its output) and writes it to $OUT/scale_<step>.json when OUT is set. State
-lives in --work-dir (default $EYAS_SCALE_DIR or ~/eyas-scale: outside the repository copy, whose
-ignored folders the device machine clears between calls), so the steps follow each other on one
-warm machine; the dsv3 step must come before fsdp-train.
+lives in --work-dir (default $EYAS_SCALE_DIR or ~/eyas-scale, outside the repository), so the steps
+run as separate commands one after another on the same machine; the dsv3 step must come before
+fsdp-train.
 
     dsv3        a DeepseekV3ForCausalLM with DeepSeek-V3's real widths (hidden 7168, 128 heads,
                 q/kv LoRA ranks 1536/512, nope/rope/v head dims 128/64/128, experts of 2048, dense
@@ -43,16 +43,17 @@ warm machine; the dsv3 step must come before fsdp-train.
 
 Extra --extract.*, --train.* and --target.* arguments go to the stage unchanged.
 
-On the device machine (python3 holds torch 2.11 + CUDA, transformers 5.17; eyas from this checkout),
-in this order; the times are estimates from BENCHMARKS.md's one-H200 rates and a ~1 GB/s disk:
+On a machine with N H200 GPUs (measured with torch 2.11 + CUDA and transformers 5.17; eyas from this
+checkout), in this order; the times are estimates from docs/benchmarks.md's one-H200 rates and a
+~1 GB/s disk:
 
     export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-    # N = 2 (nvidia-h200-x2: 128 GiB disk, 256 GiB RAM)
+    # N = 2 (2 x H200, 128 GiB disk, 256 GiB RAM)
     python3 bench/scale.py dsv3 --gpus 2                # L 15, E 64:  80 GB, 29% of 2 x 141 GB   ~5 min
     python3 bench/scale.py fsdp-train --gpus 2          # runs A, B (killed), C; 20 steps         ~7 min
     python3 bench/scale.py llama-dp --gpus 2            # 1 x 300k vs 2 x 300k tokens             ~3 min
     python3 bench/scale.py dsv3 --gpus 2 --weights gpu  # L 18, E 128: 183 GB, 65%               ~4 min
-    # N = 8 (nvidia-h200-x8: 235 GiB disk, 560 GiB RAM)
+    # N = 8 (8 x H200, 235 GiB disk, 560 GiB RAM)
     python3 bench/scale.py dsv3 --gpus 8                # L 14, E 128: 136 GB, 12%                ~7 min
     python3 bench/scale.py fsdp-train --gpus 8                                                    # ~7 min
     python3 bench/scale.py llama-dp --gpus 8            # 1 x 300k vs 8 x 300k tokens             ~4 min
@@ -117,9 +118,9 @@ DSV3_PRESETS = {
                  intermediate_size=256, n_shared_experts=1, num_experts_per_tok=2, vocab_size=2048,
                  max_position_embeddings=4096),
 }
-# (weights, gpus) -> (layers, experts) of the real preset. gpu: ~65% of N x 141 GB. disk: what the
-# machine's disk (64 GiB / 128 GiB / 235 GiB with 1 / 2 / 4-8 GPUs) holds besides the states and
-# checkpoints, written and read back at ~1 GB/s within the 10 minutes.
+# (weights, gpus) -> (layers, experts) of the real preset. gpu: ~65% of N x 141 GB. disk: what a
+# disk of 64 GiB / 128 GiB / 235 GiB with 1 / 2 / 4-8 GPUs holds besides the states and checkpoints,
+# written and read back at ~1 GB/s within the 10 minutes.
 REAL_SHAPES = {
     ("disk", 1): (8, 64), ("gpu", 1): (16, 64),  # 38 GB; 87 GB = 61%
     ("disk", 2): (15, 64), ("gpu", 2): (18, 128),  # 80 GB; 183 GB = 65%
@@ -212,10 +213,10 @@ class Job:
             raise RuntimeError(f"{self.name} exited with status {rc} (its output is above): {shlex.join(self.cmd)}")
 
     def kill_tree(self) -> list[int]:
-        """SIGKILL torchrun and every process under it, as a crashed node would. torchrun starts
-        each rank in a session of its own, so its process group is not enough: a rank is killed
-        with its group (by the rank's id), which takes data-loader or compile workers forked since
-        the listing with it."""
+        """SIGKILL torchrun and every process under it, as a crashed node would. torchrun makes
+        each rank the leader of a process group of its own (setsid), so torchrun's group is not
+        enough: a rank is killed with its group (by the rank's id), which takes data-loader or
+        compile workers forked since the listing with it."""
         pids = process_tree(self.proc.pid)
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):  # it ended between the listing and now
@@ -439,7 +440,7 @@ def build_on_disk(conf, target: Path, shape: dict[str, Any], heads: Path) -> dic
     its heads-only copy."""
     marker = target / "scale-build.json"
     if marker.is_file() and json.loads(marker.read_text()) == shape:
-        log(f"reusing {target} (built by an earlier call)")
+        log(f"reusing {target} (built by an earlier run)")
         # from the saved weights: a --weights gpu run in between writes its own model's heads
         write_heads(conf, *load_embed_and_head(TargetConfig(model=str(target))), heads)
         return {}

@@ -7,7 +7,7 @@
     python bench/train.py --align-top-k 3 --align-norm kept   # GRIFFIN's mask: its cost against --align-top-k 0
     python bench/train.py --grad-accum 4           # 4 micro-batches per optimizer step: tokens/s and
                                                    #   peak memory against --grad-accum 1
-    OUT=/tmp/o python bench/train.py               # also writes $OUT/bench_train.json
+    OUT=DIR python bench/train.py                  # also writes DIR/bench_train.json
 
 It builds the draft with random weights and random-but-realistic inputs directly on the GPU
 (aux/final states at the scale of a real target's, loss masks as runs of assistant tokens), then

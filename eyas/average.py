@@ -2,9 +2,9 @@
 
 Drafts trained one from the other (`train.init_from`, each a fresh learning-rate schedule) end
 near one another; their mean is often better than the last (stochastic weight averaging over
-the ends of the schedules, Izmailov et al. 2018). On SmolLM2, session 21's draft simulates at
-MT-bench chain tau 3.82, its mean with the draft it started from at 3.84, with session 20's (3.79)
-at 3.83 (BENCHMARKS.md, session 21).
+the ends of the schedules, Izmailov et al. 2018). On SmolLM2-135M a draft that simulates at
+MT-bench chain tau 3.82 gave 3.84 averaged with the draft it started from (docs/benchmarks.md);
+averages of drafts farther apart lost.
 
 Every tensor of the exported draft becomes the mean over the drafts. The lm_head is averaged by
 target token: the row of draft-vocabulary id r (target token r + d2t[r]) is the mean over the

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from eyas.config import STAGES
 from eyas.errors import EyasError, describe_exception, exception_message
 
 USAGE = """usage: eyas <command> [config.yaml] [--section.key=value ...]
@@ -26,17 +27,10 @@ Precedence: defaults < YAML file < --section.key=value. Example:
 """
 
 
-# command -> (module with main(cfg), config key a bare positional directory argument sets)
-STAGES = {
-    "prepare": ("eyas.prepare", None),
-    "regenerate": ("eyas.regenerate", None),
-    "run": ("eyas.run", None),
-    "extract": ("eyas.extract", None),
-    "train": ("eyas.train", None),
-    "export": ("eyas.export", "export.train_dir"),
-    "evaluate": ("eyas.evaluate", None),
-    "plot": ("eyas.plot", "plot.run_dir"),
-}
+# the commands with a module eyas.<command> exposing main(cfg): the stages, `run` and `plot`
+COMMANDS = ("run", *STAGES, "plot")
+# the config key a bare positional directory argument sets, for the commands that take one
+POSITIONAL = {"export": "export.train_dir", "plot": "plot.run_dir"}
 
 
 def _split(argv: list[str], positional: str | None = None) -> tuple[str | None, list[str]]:
@@ -97,17 +91,16 @@ def main(argv: list[str] | None = None) -> int:
             path, overrides = _split(rest)
             print(dump_config(load_config(path, overrides)), end="")
             return 0
-        if command not in STAGES:
+        if command not in COMMANDS:
             raise EyasError(f"unknown command {command!r}\n\n{USAGE}")
         if rest and rest[0] in ("-h", "--help"):
             print("\n".join(describe()))
             return 0
-        module_name, positional = STAGES[command]
-        path, overrides = _split(rest, positional)
+        path, overrides = _split(rest, POSITIONAL.get(command))
         cfg = load_config(path, _own_section(command, overrides))
         import importlib
 
-        result = importlib.import_module(module_name).main(cfg)
+        result = importlib.import_module(f"eyas.{command}").main(cfg)
         return int(result) if isinstance(result, int) else 0
     except EyasError as e:
         print(f"eyas {command}: error: {exception_message(e)}", file=sys.stderr)

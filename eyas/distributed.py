@@ -76,14 +76,31 @@ def all_reduce_max(value: float, device: torch.device) -> float:
     return float(t.item())  # .item(): a sync point, called once per run
 
 
+def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum of `x` over ranks, in place (`x` itself at world size 1)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def rank0_flag(flag: bool, device: torch.device) -> bool:
+    """Rank 0's `flag` on every rank (the value itself at world size 1), so that every rank takes the
+    branch rank 0 decided on (its clock, its budget). A collective: every rank calls it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return flag
+    t = torch.tensor([float(flag)], device=device)
+    dist.broadcast(t, src=0)
+    return bool(t.item())  # .item(): a sync point, at a logging step that already syncs
+
+
 def compute_cleanup() -> None:
     if _HELD:
         return
     if dist.is_available() and dist.is_initialized():
         # DDP/FSDP modules hold the process group in reference cycles: freed only by the garbage
         # collector, possibly during interpreter shutdown, when the group's C++ threads can no
-        # longer be torn down cleanly. Collect them while the interpreter is whole. (A torchrun
-        # test's rank 1 aborted at exit with "terminate called without an active exception" in
-        # two of this project's CI runs, session 26; not reproduced on demand.)
+        # longer be torn down cleanly. Collect them while the interpreter is whole. (Without it a
+        # torchrun test's rank 1 aborted at exit with "terminate called without an active exception",
+        # now and then.)
         gc.collect()
         dist.destroy_process_group()

@@ -23,7 +23,7 @@ The residual around attention is the **un-normed** h (the reference); with
 `norm_before_residual=True` it is hidden_norm(h) (the variant some vLLM/speculators checkpoints
 use). `forward_step` returns the pre-norm output of the last layer (fed back as h at the next draft
 step) and the keys/values of this step, so callers own their caches: training-time test
-(eyas.train.ttt) concatenates step blocks with a diagonal mask; speculative decoding (eyas.spec)
+(eyas.ttt) concatenates step blocks with a diagonal mask; speculative decoding (eyas.spec)
 keeps an ordinary KV cache. With num_layers = L > 1 the keys/values of all layers travel as one
 tensor with L*Hkv heads (layer l owns heads l*Hkv .. (l+1)*Hkv - 1): every cache stays a single
 [B, L*Hkv, P, d] tensor along the sequence axis, and every layer sees the same positions and mask.
@@ -348,52 +348,3 @@ class Eagle3Draft(nn.Module):
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
-
-
-# eyas's own draft checkpoint format (the trainer writes it; export and evaluate read it):
-#   DIR/draft.safetensors   state_dict with the names above (d2t, t2d included; no embedding)
-#   DIR/draft_config.json   DraftConfig fields
-DRAFT_WEIGHTS = "draft.safetensors"
-DRAFT_CONFIG = "draft_config.json"
-
-
-def save_draft(model: Eagle3Draft, out_dir, dtype: torch.dtype | None = None) -> None:
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    from eyas.artifacts import atomic_write_json
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    sd = {}
-    for k, v in model.state_dict().items():
-        v = v.detach().cpu()
-        if dtype is not None and v.is_floating_point():
-            v = v.to(dtype)
-        sd[k] = v.contiguous()
-    tmp = out / (DRAFT_WEIGHTS + ".tmp")
-    save_file(sd, str(tmp))
-    tmp.replace(out / DRAFT_WEIGHTS)
-    atomic_write_json(out / DRAFT_CONFIG, model.config.to_dict())
-
-
-def load_draft(draft_dir, embed_weight_VD: torch.Tensor | None = None, device="cpu", dtype=None) -> Eagle3Draft:
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    from eyas.errors import ArtifactError
-
-    d = Path(draft_dir)
-    if not (d / DRAFT_CONFIG).is_file() or not (d / DRAFT_WEIGHTS).is_file():
-        raise ArtifactError(f"{d} is not an eyas draft checkpoint (needs {DRAFT_CONFIG} and {DRAFT_WEIGHTS})")
-    cfg = DraftConfig(**json.loads((d / DRAFT_CONFIG).read_text()))
-    model = Eagle3Draft(cfg, embed_weight_VD)
-    sd = load_file(str(d / DRAFT_WEIGHTS))
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if k != "embed_weight"]
-    if missing or unexpected:
-        raise ArtifactError(f"{d / DRAFT_WEIGHTS}: missing tensors {missing}, unexpected tensors {unexpected}")
-    return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)

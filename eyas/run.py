@@ -39,18 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from eyas import artifacts
-from eyas.config import EyasConfig, to_dict
+from eyas.config import STAGES, EyasConfig, to_dict
 from eyas.errors import ArtifactError, ConfigError, EyasError, describe_exception
 
-ORDER = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
-MODULES = {
-    "regenerate": "eyas.regenerate",
-    "prepare": "eyas.prepare",
-    "extract": "eyas.extract",
-    "train": "eyas.train",
-    "export": "eyas.export",
-    "evaluate": "eyas.evaluate",
-}
 # The config sections whose values define each stage's output (besides the stage before it).
 SECTIONS = {
     "regenerate": ("target", "prepare", "regenerate"),
@@ -76,14 +67,6 @@ BUDGET_KEYS = {
 }
 RESUMABLE = ("regenerate", "train")  # a partial output of these is continued by the next run
 ALL_RANKS = ("extract", "train")  # under torchrun every rank runs these; the others run on rank 0 alone
-# keys added to a section after runs were made without them: at this value (the behaviour before
-# the key existed) they are left out of the run key, so `eyas run` continues such a run instead of
-# deleting its output as made with other settings
-LATER_KEYS = {
-    "train": {"num_layers": 1, "align_top_k": 0, "init_from": "", "align_norm": "valid", "init_vocab": "same",
-              "init_head": "random"},
-    "evaluate": {"target_outputs": ""},
-}
 
 
 INPUTS_OUTSIDE = (("train", "init_from"), ("evaluate", "target_outputs"))
@@ -94,7 +77,7 @@ def stage_plan(cfg: EyasConfig) -> tuple[dict[str, EyasConfig], list[str]]:
     """The stages to run and the config each sees: with regenerate enabled, regenerate reads
     `prepare.data` and every later stage sees prepare reading regenerate's conversations; online
     training needs no extract stage."""
-    stages = [s for s in ORDER if (s != "regenerate" or cfg.regenerate.enabled)
+    stages = [s for s in STAGES if (s != "regenerate" or cfg.regenerate.enabled)
               and (s != "extract" or cfg.train.mode != "online")]
     later = copy.deepcopy(cfg)
     if cfg.regenerate.enabled:
@@ -110,12 +93,11 @@ def run_keys(configs: dict[str, EyasConfig], stages: list[str]) -> dict[str, str
         if s == "regenerate":  # regenerate reads only the data fields of prepare
             p = sections["prepare"]
             sections["prepare"] = {k: p[k] for k in ("data", "format", "max_conversations", "system_prompt")}
+        if s == "train" and "extract" not in stages:  # online: train captures the aux layers itself
+            sections["extract"] = {"layer_ids": configs[s].extract.layer_ids}
         for name, budget in BUDGET_KEYS.items():
             if name in sections:
                 sections[name] = {k: v for k, v in sections[name].items() if k not in budget}
-        for name, defaults in LATER_KEYS.items():
-            if name in sections:
-                sections[name] = {k: v for k, v in sections[name].items() if k not in defaults or v != defaults[k]}
         keys[s] = prev = artifacts.hash_json({"stage": s, "sections": sections, "previous": prev})
     return keys
 
@@ -157,20 +139,19 @@ def source_fingerprint(data: str) -> str:
     return "data:" + data_hash(data)
 
 
-def stage_state(stage_dir: Path, stage: str, key: str, upstream: str, first: bool = False) -> tuple[str, dict[str, Any]]:
+def stage_state(stage_dir: Path, stage: str, key: str, upstream: str) -> tuple[str, dict[str, Any]]:
     """("done" | "partial" | "inputs" | "stale", meta): a complete output of this key made from the
     previous stage's current output (`upstream`: the hash of its meta.json; for the first stage the
     data file's `source_fingerprint`), one that stopped early at its time budget, one made from an
     earlier state of its input (continued or edited since), or anything else (missing, interrupted,
-    other settings). A first stage made before eyas recorded its data's fingerprint (upstream "")
-    is taken as made from the current data."""
+    other settings)."""
     try:
         meta = artifacts.read_meta(stage_dir, stage)
     except ArtifactError:
         return "stale", {}
     if meta.get("run_key") != key:
         return "stale", meta
-    if meta.get("upstream", "") != upstream and not (first and meta.get("upstream", "") == ""):
+    if meta.get("upstream") != upstream:
         return "inputs", meta
     return ("partial" if is_partial(meta) else "done"), meta
 
@@ -208,7 +189,7 @@ class Tee:
 
 
 def run_stage(stage: str, stage_cfg: EyasConfig) -> Any:
-    return importlib.import_module(MODULES[stage]).main(stage_cfg)
+    return importlib.import_module(f"eyas.{stage}").main(stage_cfg)
 
 
 def main(cfg: EyasConfig) -> dict[str, Any]:
@@ -337,7 +318,7 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
     upstream = source_fingerprint(configs[stages[0]].prepare.data)
     for s in stages:
         out = cfg.stage_dir(s)
-        state, meta = ("stale", {}) if changed else stage_state(out, s, keys[s], upstream, first=s == stages[0])
+        state, meta = ("stale", {}) if changed else stage_state(out, s, keys[s], upstream)
         if state == "partial" and s in RESUMABLE and s not in cfg.accept_partial_stages():
             print(f"[eyas:run] {s}: partial ({partial_progress(s, meta)}, stopped at its time budget): continuing; "
                   f"--accept_partial={s} uses it as it is", flush=True)
@@ -407,7 +388,7 @@ def _check_train_start(cfg: EyasConfig, configs: dict[str, EyasConfig], stages: 
     """Before extract runs: what train would refuse only after it (its init_from draft's vocabulary
     against prepare's), recorded as train's failure. Not when train does not run next, or resumes
     from a checkpoint the user named (init_from then goes unused)."""
-    from eyas.train.build import check_init_vocab
+    from eyas.train.init_from import check_init_vocab
 
     tc = configs["train"].train if "train" in stages else None
     if tc is None or cfg.stop_after == "extract" or tc.resume not in ("", "auto"):

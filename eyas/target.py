@@ -34,14 +34,18 @@ def load_tokenizer(cfg: TargetConfig, require_chat_template: bool = True):
         raise EyasError(f"cannot load the tokenizer of target.model={cfg.model!r} ({path}): {e}") from e
     if cfg.chat_template:
         p = Path(cfg.chat_template)
-        tok.chat_template = p.read_text(encoding="utf-8") if p.suffix == ".jinja" or p.is_file() else cfg.chat_template
+        if p.suffix == ".jinja" and not p.is_file():
+            raise ConfigError(f"target.chat_template={cfg.chat_template!r}: no such file")
+        tok.chat_template = p.read_text(encoding="utf-8") if p.is_file() else cfg.chat_template
     if require_chat_template and not tok.chat_template:
         raise ConfigError(
             f"the tokenizer of {cfg.model!r} has no chat template; pass one with "
             "--target.chat_template=path/to/template.jinja (or the template text itself)"
         )
     if not tok.is_fast:
-        raise ConfigError(f"the tokenizer of {cfg.model!r} is not a fast (Rust) tokenizer; eyas needs offsets")
+        raise ConfigError(f"the tokenizer of {cfg.model!r} is not a fast (Rust) tokenizer: eyas needs its character "
+                          "offsets to build the loss masks; give target.model a directory whose tokenizer.json "
+                          "transformers loads as a fast tokenizer")
     return tok
 
 

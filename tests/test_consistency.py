@@ -259,7 +259,7 @@ def test_d2t_maps_draft_argmax_to_the_proposed_target_id(target):
     aux, final = target_states(target, ids)
     smp = dict(input_ids=ids, loss_mask=torch.ones_like(ids), aux=aux, final=final, id="s", index=0)
     from eyas.train.data import pack
-    from eyas.train.ttt import TTTDraft, sdpa_masks
+    from eyas.ttt import TTTDraft, sdpa_masks
 
     b = pack([smp], 1, 10_000)
     teacher = Teacher(target.lm_head.weight, torch.arange(w) + draft.d2t,

@@ -17,14 +17,15 @@ DATA = Path(__file__).parent.parent / "data"
                                                     ("smollm2-self-written-seed3-regenerated.jsonl.xz", 29697, "self3-"),
                                                     ("smollm2-self-written-steered-seed5-regenerated.jsonl.xz", 21118, "self5-")])
 def test_committed_regenerated_data_is_what_data_readme_says(name, count, self_prefix):
-    """The sha256 and the count in the file's data/README.md section, distinct ids, every
+    """The sha256 and the count in the file's row of data/README.md's table, distinct ids, every
     assistant turn non-empty with a finish reason; the self-written ones single-turn, with ids
     <prefix>k and source indices -1-k."""
     path = DATA / name
     readme = (DATA / "README.md").read_text()
-    section = readme[readme.index(f"## {name}"):].split("\n## ")[0]
-    assert hashlib.sha256(path.read_bytes()).hexdigest() in section
-    assert f"{count:,} conversations" in section
+    row = next(line for line in readme.splitlines() if line.startswith(f"| `{name}` |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[-1] == f"`{hashlib.sha256(path.read_bytes()).hexdigest()}`"
+    assert cells[1].split()[0] == f"{count:,}"
     recs = [json.loads(line) for line in lzma.open(path, "rt", encoding="utf-8")]
     assert len(recs) == count and len({r["id"] for r in recs}) == count
     for r in recs:
@@ -39,7 +40,7 @@ def test_committed_regenerated_data_is_what_data_readme_says(name, count, self_p
 
 
 def test_committed_regenerated_files_share_no_id():
-    """bench/smollm2_gpu.sh trains on the six files together (STEERED=1 SELF=4): an id in two of them would
+    """scripts/smollm2_phases.sh trains on the six files together (STEERED=1 SELF=4): an id in two of them would
     put two conversations in one held-out group and name two samples alike in errors."""
     seen: dict[str, str] = {}
     for path in sorted(DATA.glob("*.jsonl.xz")):

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from eyas.draft import DraftConfig, Eagle3Draft, load_draft, save_draft
+from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.draft_files import load_draft, save_draft
 
 LLAMA31_8B = dict(
     hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,

@@ -11,7 +11,10 @@ import torch
 
 from eyas.config import load_config
 from eyas.errors import ConfigError, DataError
-from eyas.evaluate import collect_results, first_divergence, load_bench, load_eval_draft, score_divergence, tie_scale
+from eyas.evaluate.decoding import load_eval_draft
+from eyas.evaluate.inputs import load_bench
+from eyas.evaluate.lossless import first_divergence, score_divergence, tie_scale
+from eyas.evaluate.report import collect_results
 from eyas.spec import Generation, SpecStats
 from spec_helpers import random_draft, tiny_llama
 
@@ -48,7 +51,7 @@ def test_cli_short_flags_reach_the_evaluate_section():
 def test_the_default_draft_is_the_averaged_export_when_export_averages(tmp_path):
     """With export.average_with the served draft is the mean, not train's checkpoint: evaluate's
     default follows it."""
-    from eyas.evaluate import default_draft_dir
+    from eyas.evaluate.decoding import default_draft_dir
 
     assert default_draft_dir(load_config(None, [f"--run_dir={tmp_path}"])) == tmp_path / "train" / "final"
     averaged = load_config(None, [f"--run_dir={tmp_path}", "--export.average_with=[/drafts/a/speculators]"])
@@ -115,7 +118,7 @@ def test_collect_results_pools_tau_and_reports_divergence():
 @pytest.mark.parametrize("dtype,rel", [(torch.bfloat16, 2**-6), (torch.float16, 2**-9)])
 def test_default_tie_tolerance_is_four_units_in_the_last_place(dtype, rel):
     """By dtype, a near-tie is four representable steps of that dtype wherever the logit lies in its
-    binade: 5.5625 vs 5.6875 in bf16 (H200, SmolLM2, question 128 of the session-4 run; float32
+    binade: 5.5625 vs 5.6875 in bf16 (H200, SmolLM2, MT-bench question 128; float32
     decoding of that question is exact) is a tie, one step more is not."""
     for x in (1.0, 1.5, 3.99, 4.0, 5.6875, 7.9, 28.5, 100.0):
         xd = torch.tensor(x, dtype=dtype)
@@ -185,7 +188,7 @@ def tiny_run(tmp_path_factory, smollm2_dir):
     directory, and a random Eagle3Draft saved in eyas's own format where the trainer puts it."""
     from transformers import AutoTokenizer
 
-    from eyas.draft import save_draft
+    from eyas.draft_files import save_draft
 
     root = tmp_path_factory.mktemp("eval")
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
@@ -239,17 +242,17 @@ def test_eyas_evaluate_end_to_end(tiny_run, capsys):
 
 
 def test_time_budget_cuts_every_mode_at_the_same_question(tiny_run, monkeypatch, capsys):
-    from eyas import evaluate
     from eyas.cli import main
+    from eyas.evaluate import decoding
 
     root, _ = tiny_run
     out = root / "budget"
-    monkeypatch.setattr(evaluate, "PROGRESS_EVERY_S", 0.0)  # a line after every question
+    monkeypatch.setattr(decoding, "PROGRESS_EVERY_S", 0.0)  # a line after every question
     assert main(_args(root, "--mode=both", "--max_seconds=1e-6", f"--out_dir={out}")) == 0
     r = json.loads((out / "results.json").read_text())
     lines = [line for line in capsys.readouterr().out.splitlines() if " questions in " in line]
     assert len(lines) == 1 and lines[0].startswith("[eyas:evaluate] 1/2 questions in ")  # not again where it stopped
-    monkeypatch.setattr(evaluate, "PROGRESS_EVERY_S", 1e9)  # no timed line: the one where the budget stopped it
+    monkeypatch.setattr(decoding, "PROGRESS_EVERY_S", 1e9)  # no timed line: the one where the budget stopped it
     assert main(_args(root, "--mode=tree", "--max_seconds=1e-6", f"--out_dir={root / 'budget_tree'}")) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if " questions in " in line]
     assert len(lines) == 1 and lines[0].startswith("[eyas:evaluate] 1/2 questions in ") and " tree tau " in lines[0]
@@ -268,8 +271,8 @@ def test_time_budget_cuts_every_mode_at_the_same_question(tiny_run, monkeypatch,
 
 def test_evaluate_fails_on_a_divergence(tiny_run, monkeypatch, capsys):
     """A decoder that changes one token must fail the run (exit 2) naming the first diverging position."""
-    import eyas.evaluate
     from eyas.cli import main
+    from eyas.evaluate import decoding
     from eyas.spec import speculative_generate
 
     def off_by_one(*args, **kwargs):
@@ -278,7 +281,7 @@ def test_evaluate_fails_on_a_divergence(tiny_run, monkeypatch, capsys):
         return gen
 
     root, _ = tiny_run
-    monkeypatch.setattr(eyas.evaluate, "speculative_generate", off_by_one)
+    monkeypatch.setattr(decoding, "speculative_generate", off_by_one)
     assert main(_args(root, "--mode=chain", "--num_questions=1", f"--out_dir={root / 'bad'}")) == 2
     assert "new token #3" in capsys.readouterr().err
     r = json.loads((root / "bad" / "results.json").read_text())
@@ -309,8 +312,8 @@ def test_simulate_mode_gives_the_chain_decoders_passes_without_decoding(tiny_run
 
     from eyas.assets import sha256_file
     from eyas.cli import main
-    from eyas.draft import save_draft
-    from eyas.evaluate import render
+    from eyas.draft_files import save_draft
+    from eyas.evaluate.inputs import render
     from eyas.run import _evaluation, print_summary
     from eyas.spec import target_generate
 
@@ -409,7 +412,7 @@ def test_simulate_mode_gives_the_chain_decoders_passes_without_decoding(tiny_run
 
 def test_exported_draft_loads_and_decodes_the_same(tiny_run, tmp_path):
     """An `eyas export` SGLang directory (and its parent) loads back into the same draft."""
-    from eyas.export import export_draft
+    from eyas.draft_files import export_draft
 
     root, draft = tiny_run
     export_draft(draft, tmp_path, formats=("sglang",), dtype="float32")
@@ -430,7 +433,8 @@ def test_eyas_evaluate_smollm2_lossless(tmp_path, smollm2_dir):
     lossless under greedy (fp32 on CPU)."""
     from transformers import AutoConfig
 
-    from eyas.draft import DraftConfig, Eagle3Draft, save_draft
+    from eyas.draft import DraftConfig, Eagle3Draft
+    from eyas.draft_files import save_draft
     from eyas.evaluate import main
 
     tcfg = AutoConfig.from_pretrained(str(smollm2_dir))

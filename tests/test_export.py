@@ -9,18 +9,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyas.draft import Eagle3Draft, save_draft
+from eyas.draft import Eagle3Draft
 from eyas.errors import ArtifactError, ConfigError
-from eyas.export import (
+from eyas.draft_files import (
     SGLANG_KEYS,
     SPECULATORS_KEYS,
-    key_table,
-    check_against_stages,
     export_draft,
+    key_table,
     load_exported,
+    save_draft,
     sglang_aux_ids,
     vllm_aux_ids,
 )
+from eyas.export import check_against_stages
 from export_helpers import random_draft
 
 L = 30  # SmolLM2-135M layers

@@ -1,5 +1,5 @@
-"""bench/place_states.py decides where an offline run's hidden states go on the device machine: the
-disk, tmpfs, tmpfs and then the disk, or the first conversations that fit the disk (session 11: the ~98 GB of states of
+"""scripts/place_states.py decides where an offline run's hidden states go on a machine: the disk,
+tmpfs, tmpfs and then the disk, or the first conversations that fit the disk (e.g. ~98 GB of states of
 39,115 conversations would leave less memory beside them in tmpfs than the default 40 GB kept free)."""
 
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
 
 from place_states import GB, place  # noqa: E402
 
@@ -39,20 +39,20 @@ def test_no_room_for_even_the_first_conversation_is_an_error():
 
 
 def test_tmpfs_then_the_disk_when_neither_holds_the_states_alone():
-    """Session 12's next run: ~113 GB of states, 137 GB of tmpfs, 134 GB of memory, 68.7 GB of disk.
+    """~113 GB of states, 137 GB of tmpfs, 134 GB of memory, 68.7 GB of disk.
     One min_free for both filesystems: what the tmpfs must keep for memory (137 - (134 - 30))."""
     offsets = [0, 30, 60, 90, 113]
     args = dict(disk_free=68.7 * GB, shm_free=137 * GB, ram_free=134 * GB, margin=6 * GB, keep_ram=30 * GB,
                 shm="/dev/shm")
-    overrides, why = place(offsets, int(GB), disk="/root/run", **args)
-    assert overrides == ["--extract.out_dir=/dev/shm/eyas-extract", "--extract.spill_dirs=[/root/run/eyas-spill]",
+    overrides, why = place(offsets, int(GB), disk="/data/run", **args)
+    assert overrides == ["--extract.out_dir=/dev/shm/eyas-extract", "--extract.spill_dirs=[/data/run/eyas-spill]",
                          "--extract.min_free_gb=33.0"], why
     # 104 GB in the tmpfs + 35.7 on the disk: 139.7 GB (less 2 GB for shards placed whole) hold 113,
     # not 141: the first 3 conversations, and those 90 GB fit the tmpfs alone
-    overrides, why = place([0, 30, 60, 90, 141], int(GB), disk="/root/run", **args)
+    overrides, why = place([0, 30, 60, 90, 141], int(GB), disk="/data/run", **args)
     assert overrides == ["--extract.out_dir=/dev/shm/eyas-extract", "--prepare.max_conversations=3"], why
-    overrides, why = place([0, 30, 60, 100, 120, 141], int(GB), disk="/root/run", **args)
-    assert overrides == ["--extract.out_dir=/dev/shm/eyas-extract", "--extract.spill_dirs=[/root/run/eyas-spill]",
+    overrides, why = place([0, 30, 60, 100, 120, 141], int(GB), disk="/data/run", **args)
+    assert overrides == ["--extract.out_dir=/dev/shm/eyas-extract", "--extract.spill_dirs=[/data/run/eyas-spill]",
                          "--extract.min_free_gb=33.0", "--prepare.max_conversations=4"], why
     assert "the last 1 are left out" in why
     # without a spill directory: the first conversations that fit the disk or the tmpfs alone
@@ -62,5 +62,5 @@ def test_tmpfs_then_the_disk_when_neither_holds_the_states_alone():
     # little memory: the tmpfs keeps so much free that the disk (one min_free for both) takes
     # nothing beside it; the fallback still keeps what the disk alone holds (60 GB: 2 conversations)
     for ram in (50, 80):
-        overrides, why = place(offsets, int(GB), disk="/root/run", **{**args, "ram_free": ram * GB})
+        overrides, why = place(offsets, int(GB), disk="/data/run", **{**args, "ram_free": ram * GB})
         assert overrides == ["--prepare.max_conversations=2"] and "fit the disk" in why, (ram, why)

@@ -86,7 +86,7 @@ def test_hf_backend_equals_batch1_greedy_and_resumes(tmp_path, data, target):
 
 
 def test_time_budget_plans_a_short_last_chunk_at_its_own_cost():
-    # session 9: a chunk of 4,096 conversations (4 batches of 1,024 rows) took 102.7 s; the 1,397
+    # measured on one H200: a chunk of 4,096 conversations (4 batches of 1,024 rows) took 102.7 s; the 1,397
     # left fill 2 batches, ~51 s, which fit a 200 s budget (planned at the whole chunk's 102.7 s, they did not)
     rc = load_config(None, ["--regenerate.batch_size=1024", "--regenerate.max_seconds=200"]).regenerate
     per_batch = 102.7 / batches(4096, 1024)
@@ -121,7 +121,7 @@ def test_greedy_self_prompts_equal_a_plain_generate_and_resume(tmp_path, data, t
     """Greedy self-written user turns are all the target's own greedy continuation of the text
     before a user message (one distinct prompt, the rest counted as repeats), answered as the
     batch-1 reference answers it; a second run reads them back and redoes nothing."""
-    from eyas.regenerate import pre_query_ids
+    from eyas.regenerate.self_prompts import pre_query_ids
 
     model, tok = target
     prefix = pre_query_ids(tok, [tok.eos_token_id])
@@ -152,7 +152,8 @@ def test_greedy_self_prompts_equal_a_plain_generate_and_resume(tmp_path, data, t
         regenerate(cfg_for(tmp_path, data, *own[:-1], "--regenerate.self_prompt_max_tokens=40"))
     assert json.loads((tmp_path / "regenerate" / "meta.json").read_text())["complete"]  # refused before any change
     # the CUDA path (eyas's BatchDecoder, here eagerly; its own max_new) samples the same turns
-    from eyas.regenerate import HFBackend, sample_self_prompts
+    from eyas.regenerate.backends import HFBackend
+    from eyas.regenerate.self_prompts import sample_self_prompts
 
     cfg = cfg_for(tmp_path, data, *own, "--regenerate.static_widths=[32]")
     backend = HFBackend(cfg, tok)
@@ -203,7 +204,7 @@ def test_self_prompt_systems_steer_the_samples_and_stay_out_of_the_conversations
 def test_self_prompts_refuse_a_template_whose_user_turn_does_not_end_at_a_stop_token(target):
     import copy
 
-    from eyas.regenerate import pre_query_ids
+    from eyas.regenerate.self_prompts import pre_query_ids
 
     _, tok = target
     inst = copy.deepcopy(tok)  # a Mistral-like template: the user turn ends with [/INST] (not a special token here)
@@ -241,7 +242,8 @@ def test_sampled_self_prompts_are_counted_and_answered(tmp_path, data, target):
 def test_sampled_self_prompts_on_the_cuda_decoder_path(tmp_path, data, target):
     """eyas's BatchDecoder (here eagerly) samples the user turns with their own settings and then
     answers greedily with the answers' settings."""
-    from eyas.regenerate import HFBackend, sample_self_prompts
+    from eyas.regenerate.backends import HFBackend
+    from eyas.regenerate.self_prompts import sample_self_prompts
 
     model, tok = target
     cfg = cfg_for(tmp_path, data, "--regenerate.self_prompts=8", "--regenerate.self_prompt_max_tokens=24",
@@ -300,7 +302,7 @@ def test_hf_backend_static_path_on_cpu(tmp_path, data, target):
     """The CUDA default (BatchDecoder, rows and widths bucketed), run eagerly on CPU through the
     backend's own batching: 3 prompts in batches of 2 (the last one filled up with a filler row) and
     two width buckets, each answer equal to batch-1 greedy."""
-    from eyas.regenerate import HFBackend
+    from eyas.regenerate.backends import HFBackend
 
     model, tok = target
     cfg = cfg_for(tmp_path, data, "--regenerate.batch_size=2", "--regenerate.static_widths=[32,64]")
@@ -319,7 +321,7 @@ def test_hf_backend_static_path_on_cpu(tmp_path, data, target):
 
 
 def test_static_width_buckets():
-    from eyas.regenerate import static_width
+    from eyas.regenerate.backends import static_width
 
     assert [static_width(w, [512, 1536]) for w in (1, 512, 513, 1536)] == [512, 512, 1536, 1536]
     with pytest.raises(EyasError, match="wider than every"):

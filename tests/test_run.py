@@ -93,6 +93,35 @@ def test_run_end_to_end_then_skips(tmp_path, smollm2_dir, capsys):
     assert summary["stages"]["train"]["status"] == "skipped" and "tau_chain" not in summary
 
 
+@pytest.mark.slow
+def test_run_with_every_stage_directory_moved(tmp_path, smollm2_dir, capsys):
+    """Every stage's out_dir outside RUN_DIR: each stage reads the one before it where that one
+    wrote; export exports the draft of the moved train directory and evaluate evaluates it; RUN_DIR
+    keeps only the run's log and summary; the same command again skips every stage."""
+    target = save_tiny("llama", tmp_path / "tiny", smollm2_dir)
+    y = str(recipe(tmp_path, target))
+    run = tmp_path / "run"
+    everything = ["regenerate", "prepare", "extract", "train", "export", "evaluate"]
+    dirs = {s: tmp_path / "elsewhere" / f"my-{s}" for s in everything}
+    moved = [f"--{s}.out_dir={d}" for s, d in dirs.items()]
+    assert cli(["run", y, *moved]) == 0
+    assert stages_line(capsys.readouterr().out) == {s: "ran" for s in everything}
+    assert sorted(p.name for p in run.iterdir()) == ["run.log", "summary.json"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert {s: summary["stages"][s]["dir"] for s in everything} == {s: str(d) for s, d in dirs.items()}
+    assert summary["lossless"] is True
+    meta = {s: json.loads((d / "meta.json").read_text()) for s, d in dirs.items()}
+    assert meta["prepare"]["config"]["prepare"]["data"] == str(dirs["regenerate"] / "conversations.jsonl")
+    assert meta["train"]["inputs"]["prepare"]["dir"] == str(dirs["prepare"])
+    assert meta["train"]["inputs"]["extract"]["dir"] == str(dirs["extract"])
+    assert meta["export"]["inputs"]["checkpoint"] == str(dirs["train"] / "final")
+    assert meta["evaluate"]["draft"] == str(dirs["train"] / "final")
+    assert json.loads((dirs["evaluate"] / "results.json").read_text())["settings"]["draft"] == str(dirs["train"] / "final")
+    assert (dirs["export"] / "speculators" / "config.json").is_file() and (dirs["train"] / "plots").is_dir()
+    assert cli(["run", y, *moved]) == 0
+    assert stages_line(capsys.readouterr().out) == {s: "skipped" for s in everything}
+
+
 def torchrun_eyas(*args, timeout=600):
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "eyas.cli", *args]
@@ -232,12 +261,9 @@ def test_edited_data_file_reruns_the_first_stage(tmp_path, smollm2_dir, capsys):
     out = capsys.readouterr().out
     assert stages_line(out) == {"prepare": "ran"} and f"{data} is not the file it was made from" in out
     assert counts(run, "prepare")["records"] == 4
-    # an output made before eyas recorded the data's fingerprint is taken as made from this data
+    # the data's fingerprint is what prepare's output records as its input
     meta = json.loads((run / "prepare" / "meta.json").read_text())
     assert meta["upstream"].startswith("data:")
-    (run / "prepare" / "meta.json").write_text(json.dumps({**meta, "upstream": ""}))
-    assert cli(args) == 0
-    assert stages_line(capsys.readouterr().out) == {"prepare": "skipped"}
     data.unlink()
     with pytest.raises(ConfigError, match="no such file"):
         from eyas.config import load_config
@@ -294,15 +320,13 @@ def test_online_training_plans_no_extract_stage(tmp_path):
         run(load_config(str(y), ["--train.mode=online", "--stop_after=extract"]))
 
 
-def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, monkeypatch):
-    """train.num_layers, train.align_top_k, train.init_from, train.align_norm, train.init_vocab,
-    train.init_head and evaluate.target_outputs joined the config after runs existed: at their defaults (the behaviour
-    before them) every stage key equals the one the code made when the sections had no such fields
-    (simulated: the fields dropped from the hashed dict, no LATER_KEYS), so `eyas run` continues
-    such a run; set otherwise, train and what follows re-run, extract does not (target_outputs: only
-    evaluate)."""
+def test_a_key_that_changes_the_draft_reruns_train_and_what_follows_not_extract(tmp_path):
+    """train.num_layers, align_top_k, init_from, align_norm, init_vocab and init_head change the
+    draft: train's key, and export's and evaluate's after it, change while extract's does not;
+    init_vocab=remap differs from init_from alone; evaluate.target_outputs changes evaluate's key only;
+    in online training extract.layer_ids (the aux layers it captures) changes train's key."""
     import eyas.run as r
-    from eyas.config import load_config, to_dict
+    from eyas.config import load_config
 
     y = recipe(tmp_path, "unused-target")
     keys = r.run_keys(*r.stage_plan(load_config(str(y), [])))
@@ -310,30 +334,19 @@ def test_a_key_added_later_keeps_the_run_key_of_runs_made_before_it(tmp_path, mo
                (["--train.num_layers=2", "--export.format=speculators"], ["--train.align_top_k=1"],
                 ["--train.init_from=/drafts/a"], ["--train.align_top_k=3", "--train.align_norm=kept"],
                 ["--train.init_from=/drafts/a", "--train.init_vocab=remap"], ["--train.init_head=target"])]
-    later = dict(r.LATER_KEYS["train"])
-    assert set(later) == {"num_layers", "align_top_k", "init_from", "align_norm", "init_vocab", "init_head"}
-    assert r.LATER_KEYS["evaluate"] == {"target_outputs": ""}
+    for other in changed:
+        assert other["extract"] == keys["extract"] and other["train"] != keys["train"] and other["export"] != keys["export"]
+        assert other["evaluate"] != keys["evaluate"]
+    assert changed[4]["train"] != changed[2]["train"]  # init_vocab=remap against init_from alone
     simulate = ["--evaluate.mode=simulate"]
     sim = r.run_keys(*r.stage_plan(load_config(str(y), simulate)))
     stored = r.run_keys(*r.stage_plan(load_config(str(y), [*simulate, "--evaluate.target_outputs=/outputs"])))
-
-    def without_the_fields(section):
-        d = to_dict(section)
-        if isinstance(d, dict) and "ttt_steps" in d:  # the train section
-            for k in later:
-                del d[k]
-        if isinstance(d, dict) and "tree_depth" in d:  # the evaluate section
-            del d["target_outputs"]
-        return d
-
-    monkeypatch.setattr(r, "to_dict", without_the_fields)
-    monkeypatch.setattr(r, "LATER_KEYS", {})
-    assert r.run_keys(*r.stage_plan(load_config(str(y), []))) == keys
-    assert r.run_keys(*r.stage_plan(load_config(str(y), simulate))) == sim
-    for other in changed:
-        assert other["extract"] == keys["extract"] and other["train"] != keys["train"] and other["export"] != keys["export"]
-    assert stored["train"] == sim["train"] and stored["evaluate"] != sim["evaluate"]
-    assert changed[4]["train"] != changed[2]["train"]  # init_vocab=remap against init_from alone
+    assert stored["train"] == sim["train"] and stored["export"] == sim["export"] and stored["evaluate"] != sim["evaluate"]
+    online = ["--train.mode=online"]
+    plan = r.stage_plan(load_config(str(y), online))
+    assert "extract" not in plan[1]
+    other_layers = r.run_keys(*r.stage_plan(load_config(str(y), [*online, "--extract.layer_ids=[1,2,3]"])))
+    assert other_layers["prepare"] == r.run_keys(*plan)["prepare"] and other_layers["train"] != r.run_keys(*plan)["train"]
 
 
 def test_keys_of_how_a_stage_runs_leave_the_run_key_alone(tmp_path):
@@ -385,8 +398,8 @@ def test_inputs_inside_the_stage_directories_a_run_replaces_are_refused(tmp_path
 
 def test_a_draft_to_start_from_of_another_vocabulary_is_refused_before_extract(tmp_path, smollm2_dir, capsys):
     """--train.init_from with a draft whose draft vocabulary is not this prepare's (new data selects
-    another one) fails the run before extract, not after it (session 29 lost 140 s of device time
-    to that): exit 2, summary.json names train. The same draft with prepare's own vocabulary, an
+    another one) fails the run before extract, not after it (the extraction and the shards' checksum
+    pass would be lost time): exit 2, summary.json names train. The same draft with prepare's own vocabulary, an
     export of a whole-vocabulary draft (no d2t/t2d in its file) on a whole-vocabulary prepare, or
     --train.init_vocab=remap pass that check; a draft for another target is refused as such."""
     import torch
@@ -394,10 +407,10 @@ def test_a_draft_to_start_from_of_another_vocabulary_is_refused_before_extract(t
     from transformers import AutoConfig
 
     from eyas.config import load_config
-    from eyas.draft import DraftConfig, Eagle3Draft, save_draft
+    from eyas.draft import DraftConfig, Eagle3Draft
+    from eyas.draft_files import export_draft, save_draft
     from eyas.errors import ArtifactError, ConfigError
-    from eyas.export import export_draft
-    from eyas.train.build import check_init_vocab
+    from eyas.train.init_from import check_init_vocab
 
     target = save_tiny("llama", tmp_path / "tiny", smollm2_dir)
     y, run = str(recipe(tmp_path, target)), tmp_path / "run"

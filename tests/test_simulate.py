@@ -17,7 +17,8 @@ import torch
 
 import eyas.spec.simulate as simulate
 from eyas.capture import capture
-from eyas.evaluate import format_table, teacher_forced_chain
+from eyas.evaluate.report import format_table
+from eyas.evaluate.teacher_forced import teacher_forced_chain
 from eyas.spec import Generation, SpecStats, speculative_generate, target_generate
 from eyas.spec.simulate import (
     SimulatedChain,

@@ -1,7 +1,7 @@
 """eyas.spec.static: fixed-size caches (and CUDA graphs on GPUs) give exactly what the reference
 path gives: the same tokens and the same per-pass acceptance, on hand-built drafts with known tau,
 random tiny targets with partial acceptance and the real SmolLM2 target, one engine reused across
-prompts. The graph test runs where CUDA is (the device machine); on CPU the same code runs eagerly.
+prompts. The graph test runs where CUDA is (a GPU machine); on CPU the same code runs eagerly.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ import torch
 
 from eyas.draft import Eagle3Draft
 from eyas.errors import ArtifactError, ConfigError
-from eyas.train import build, run
+from eyas import vocab
+from eyas.train import build, init_from, run
 from eyas.train.loss import acceptance_length, step_terms, teacher_targets, weighted_loss
 from train_helpers import InMemoryStates, read_metrics, run_prepare, save_tiny_llama, train_config, write_chats
 
@@ -263,7 +264,7 @@ def test_tiny_run_on_real_smollm2_states_learns(tmp_path, smol_prep, smol_model)
     assert read_metrics(cfg.stage_dir("train"), "eval")
     # outputs: final draft (eyas.draft format), meta.json with the final metrics, plots
     from eyas.artifacts import read_meta
-    from eyas.draft import load_draft
+    from eyas.draft_files import load_draft
 
     out = cfg.stage_dir("train")
     assert read_meta(out, "train")["metrics"]["tau"] == pytest.approx(last["tau"]) == meta["metrics"]["tau"]
@@ -317,8 +318,7 @@ def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_targe
     export, with a fresh optimizer and schedule, and records what it read; another draft shape or
     vocabulary is refused naming what differs, a directory without a draft before any work."""
     from eyas.assets import sha256_file
-    from eyas.draft import load_draft, save_draft
-    from eyas.export import export_draft
+    from eyas.draft_files import export_draft, load_draft, save_draft
 
     cpu = torch.device("cpu")
     first = tiny_cfg(tmp_path / "a", smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=3")
@@ -354,7 +354,7 @@ def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_targe
     d2t = data.d2t.clone()
     d2t[-1] += 1
     with pytest.raises(ArtifactError, match="another draft vocabulary"):
-        build.init_weights(fresh.draft, str(final), d2t, data.t2d)
+        init_from.init_weights(fresh.draft, str(final), d2t, data.t2d)
     # init_vocab=remap: on the same vocabulary a plain copy; on another one the shared tokens' rows
     # by target id, every other weight as trained (remap_head's own test checks the new rows)
     remap = tiny_cfg(tmp_path / "m", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={final}",
@@ -369,8 +369,8 @@ def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_targe
     other = Eagle3Draft(dataclasses.replace(trained.config, draft_vocab_size=ids_X.numel()), data.embed_VD)
     other.set_vocab(ids_X - torch.arange(ids_X.numel()), t2d_X)
     with pytest.raises(ArtifactError, match="--train.init_vocab=remap"):
-        build.init_weights(other, str(final), other.d2t, other.t2d)
-    record = build.init_weights(other, str(final), other.d2t, other.t2d, data.lm_head_VD, remap=True)
+        init_from.init_weights(other, str(final), other.d2t, other.t2d)
+    record = init_from.init_weights(other, str(final), other.d2t, other.t2d, data.lm_head_VD, remap=True)
     assert record["vocab"] == {"copied": data.d2t.numel() - 100, "new": 50}
     assert torch.equal(other.lm_head.weight[: ids_X.numel() - 50], trained.lm_head.weight[100:])
     for (name, p), q in zip(other.named_parameters(), trained.parameters()):
@@ -433,7 +433,7 @@ def test_remap_head_copies_shared_tokens_and_fits_the_rest():
     head_UD = torch.randn(6, 3, generator=g)
     src_d2t = src_ids - torch.arange(6)
     ids = torch.tensor([9, 4, 1, 0, 8, 3, 5, 7])
-    out, counts = build.remap_head(head_UD, src_d2t, ids - torch.arange(8), lm_head_VD)
+    out, counts = vocab.remap_head(head_UD, src_d2t, ids - torch.arange(8), lm_head_VD)
     assert counts == {"copied": 5, "new": 3}
     src_row = {int(t): i for i, t in enumerate(src_ids)}
     shared = [1, 3, 4, 7, 8]
@@ -443,16 +443,16 @@ def test_remap_head_copies_shared_tokens_and_fits_the_rest():
         want = head_UD[src_row[t]] if t in src_row else (lm_head_VD.double()[t] @ M).float()
         torch.testing.assert_close(out[w], want, rtol=1e-5, atol=1e-5)
     perm = torch.tensor([8, 1, 7, 2, 4, 3])
-    out, counts = build.remap_head(head_UD, src_d2t, perm - torch.arange(6), lm_head_VD)
+    out, counts = vocab.remap_head(head_UD, src_d2t, perm - torch.arange(6), lm_head_VD)
     assert counts == {"copied": 6, "new": 0}
     assert torch.equal(out, head_UD[[src_row[t] for t in perm.tolist()]])
     with pytest.raises(ArtifactError, match="share no token"):
-        build.remap_head(head_UD, src_d2t, torch.tensor([0, 5]) - torch.arange(2), lm_head_VD)
+        vocab.remap_head(head_UD, src_d2t, torch.tensor([0, 5]) - torch.arange(2), lm_head_VD)
 
 
 @pytest.mark.parametrize("num_layers", [1, 2])
 def test_with_vocab_moves_a_draft_to_another_vocabulary_keeping_its_proposals(num_layers):
-    """bench/draft_variants.py whole-vocab: a W = 10 draft of a V = 40 target moved to W = V keeps
+    """tools/draft_variants.py whole-vocab: a W = 10 draft of a V = 40 target moved to W = V keeps
     its layers and the logit of each of its tokens; the 30 new tokens get rows fitted from the
     target's (remap_head, tested above). Moved back, it is the first draft again. Another target's
     lm_head is refused."""
@@ -470,24 +470,24 @@ def test_with_vocab_moves_a_draft_to_another_vocabulary_keeping_its_proposals(nu
     draft.set_vocab(*d2t_t2d(ids.numpy(), 40))
     before = {k: v.clone() for k, v in draft.state_dict().items()}
     lm_head_VD = torch.randn(40, 16)
-    full, counts = build.with_vocab(draft, torch.zeros(40, dtype=torch.int64), lm_head_VD)
+    full, counts = vocab.with_vocab(draft, torch.zeros(40, dtype=torch.int64), lm_head_VD)
     assert counts == {"copied": 10, "new": 30}
     assert full.config.draft_vocab_size == 40 and full.t2d.all() and not full.d2t.any()
     assert all(torch.equal(v, draft.state_dict()[k]) for k, v in before.items())  # the source is untouched
     for name, p in full.named_parameters():
         if name == "lm_head.weight":
-            assert torch.equal(p, build.remap_head(before[name], draft.d2t, full.d2t, lm_head_VD)[0])
+            assert torch.equal(p, vocab.remap_head(before[name], draft.d2t, full.d2t, lm_head_VD)[0])
         else:
             assert torch.equal(p, before[name]) and p.data_ptr() != draft.get_parameter(name).data_ptr(), name
     h_BSD = torch.randn(1, 5, 16)
     with torch.no_grad():
         # draft id = target id at W = V (equal up to the matmul's blocking over another W)
         torch.testing.assert_close(full.logits(h_BSD)[..., ids], draft.logits(h_BSD), rtol=1e-6, atol=1e-6)
-    back, counts = build.with_vocab(full, draft.d2t, lm_head_VD)
+    back, counts = vocab.with_vocab(full, draft.d2t, lm_head_VD)
     assert counts == {"copied": 10, "new": 0}
     assert all(torch.equal(v, before[k]) for k, v in back.state_dict().items())
     with pytest.raises(ValueError, match="the draft's own target"):
-        build.with_vocab(draft, torch.zeros(48, dtype=torch.int64), torch.randn(48, 16))
+        vocab.with_vocab(draft, torch.zeros(48, dtype=torch.int64), torch.randn(48, 16))
 
 
 @pytest.mark.parametrize("group_tokens", [0, 40])
@@ -887,7 +887,7 @@ def test_online_target_failure_names_its_samples(tmp_path, smol_prep, tiny_targe
 def test_an_existing_run_needs_resume(tmp_path, smol_prep, tiny_target):
     cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=2")
     run(cfg)
-    with pytest.raises(ConfigError, match="--resume auto"):
+    with pytest.raises(ConfigError, match="--train.resume=auto"):
         run(cfg)
 
 

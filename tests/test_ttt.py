@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.train.data import pack
-from eyas.train.ttt import naive_ttt, sdpa_masks, shift_left, ttt_forward, ttt_mask_mod
+from eyas.ttt import naive_ttt, sdpa_masks, shift_left, ttt_forward, ttt_mask_mod
 
 
 def make_draft(norm_before_residual=False, seed=0, num_layers=1) -> Eagle3Draft:
@@ -95,7 +95,7 @@ def test_flex_unroll_with_fixed_key_length_matches_the_naive_loop(monkeypatch, n
     import eyas.draft
     from torch.nn.attention.flex_attention import flex_attention
 
-    from eyas.train.ttt import flex_masks
+    from eyas.ttt import flex_masks
 
     monkeypatch.setattr(eyas.draft, "_flex_call", lambda q, k, v, bm, enable_gqa: flex_attention(
         q, k, v, block_mask=bm, enable_gqa=enable_gqa))

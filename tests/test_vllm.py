@@ -116,7 +116,7 @@ def chain_eval(target, draft, prompts: list[list[int]]):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
-    from eyas.export import export_draft, load_exported
+    from eyas.draft_files import export_draft, load_exported
 
     work = tmp_path_factory.mktemp("vllm")
     threads = torch.get_num_threads()
@@ -150,7 +150,7 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     # fitted with W = 1024, moved to V by --train.init_vocab=remap's lm_head remap (fitting at W = V
     # directly costs minutes here), its rows in a shuffled draft order (prepare's own d2t would be
     # all zeros: the shuffle tests the export's reordering); the export drops d2t, vLLM maps nothing
-    from eyas.train.build import with_vocab
+    from eyas.vocab import with_vocab
 
     v = tcfg.vocab_size
     small = fitted_draft(target, seqs, aux_layer_ids=AUX, draft_vocab=1024)

@@ -26,6 +26,7 @@ from eyas.config.target import TargetConfig
 from eyas.config.train import TrainConfig
 
 STAGES = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
+"""The stages in run order; stage S is the module eyas.S with `main(cfg)` and the config section S."""
 
 
 @dataclass
@@ -38,7 +39,7 @@ class EyasConfig:
     """A note `eyas run` prints with its summary (what the recipe is for, what it is not)."""
     stop_after: str = ""
     """`eyas run` only: stop after this stage (regenerate, prepare, extract, train, export); the next
-    `eyas run` of the same recipe skips what is done and continues. For machines lent in slots."""
+    `eyas run` of the same recipe skips what is done and continues (for jobs with a time limit)."""
     accept_partial: str = ""
     """`eyas run` only: stages (comma-separated: regenerate, train) whose output, stopped early at
     their `max_seconds` budget, is used as it is. A partial stage not named here is continued by
@@ -62,8 +63,7 @@ class EyasConfig:
 
     def __post_init__(self) -> None:
         require(bool(self.run_dir), "run_dir is empty")
-        stages = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
-        require(self.stop_after in ("",) + stages, f"stop_after={self.stop_after!r}: choose one of {', '.join(stages)}")
+        require(self.stop_after in ("",) + STAGES, f"stop_after={self.stop_after!r}: choose one of {', '.join(STAGES)}")
         for name in self.accept_partial_stages():
             require(name in ("regenerate", "train"), f"accept_partial: {name!r} is not regenerate or train")
         # checked here, before any stage runs: the export stage would refuse it only after training

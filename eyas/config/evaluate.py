@@ -29,11 +29,9 @@ class EvaluateConfig:
     lossless_check say) and the chain decoder simulated from the draft's teacher-forced forward on
     its outputs (`teacher_forced`; results.json `tau_chain_simulated`; with `simulate_tree` the tree
     decoder's too, `tau_tree_simulated`): greedy only, no speedup, no lossless check; the chain and
-    tree decoding time saved (SmolLM2 on MT-bench, one H200, session 11: 195 s of the stage's 454).
-    In float32 its passes are the chain decoder's; in bf16 they matched on 69-72 of 88 prompts with
-    identical outputs, and it reads a little low (each prompt's last pass counts its lower bound):
-    3.00 against 3.04 measured (session 10), 2.95 against 2.98 (session 11), 3.22 against 3.28
-    (session 12; BENCHMARKS.md)."""
+    tree decoding time saved. In float32 its passes are the chain decoder's; in bf16 an argmax may
+    flip where two logits nearly tie, and it reads a little low (each prompt's last pass counts
+    its lower bound)."""
     num_draft_tokens: int = 7
     """Chain mode: draft tokens proposed per verify pass."""
     tree_total_tokens: int = 60
@@ -91,8 +89,7 @@ class EvaluateConfig:
     target_outputs: str = ""
     """Mode simulate: the target-only greedy outputs of an earlier evaluation (its
     target_outputs.json, or the directory holding it) instead of decoding them again, so only this
-    draft's teacher-forced pass runs (SmolLM2 on MT-bench, 2-core CPU, float32: decoding took 2,535 s
-    of 2,829). They must come from the same target (name, revision and, for an embedded one, its
+    draft's teacher-forced pass runs (on a CPU, decoding is most of an evaluation's time). They must come from the same target (name, revision and, for an embedded one, its
     file's sha256; a local path's weights are not hashed), dtype, device type (on CUDA also
     cuda_graphs), bench file, questions and max_new_tokens, checked before any model loads, and
     every prompt is rendered again from them and compared. Every greedy evaluation that decodes

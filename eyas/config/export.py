@@ -12,7 +12,8 @@ EXPORT_DTYPES = ("bfloat16", "float16", "float32")
 class ExportConfig:
     train_dir: str = ""
     """The train stage output to export (its `final/` checkpoint is read), or an eyas draft
-    checkpoint directory itself (holding draft.safetensors + draft_config.json); empty = RUN_DIR/train."""
+    checkpoint directory itself (holding draft.safetensors + draft_config.json); empty = the train
+    stage's output directory (train.out_dir, else RUN_DIR/train)."""
     checkpoint: str = "final"
     """Subdirectory of train_dir holding the checkpoint to export (e.g. final, step_2000)."""
     format: str = "both"
@@ -26,12 +27,14 @@ class ExportConfig:
     does not say)."""
     prepare_dir: str = ""
     """Prepare output the draft was trained on, checked against the draft's vocabulary mapping;
-    empty = RUN_DIR/prepare (skipped with a note when absent)."""
+    empty = the one the train stage recorded, else the prepare stage's
+    output directory (skipped with a note when absent)."""
     extract_dir: str = ""
     """Extract output the draft was trained on, checked against the draft's aux layer ids and target;
-    empty = RUN_DIR/extract (skipped with a note when absent)."""
+    empty = the one the train stage recorded, else the extract stage's
+    output directory (skipped with a note when absent)."""
     average_with: list[str] = field(default_factory=list)
-    """Exported drafts (either layout, e.g. earlier runs' OUT/speculators) to average the trained
+    """Drafts (either exported layout, an export root or an eyas checkpoint) to average the trained
     draft with: every tensor the mean over all of them, lm_head rows matched by target token
     (eyas/average.py). Same architecture required; the draft vocabulary may differ. Empty = none.
     When set, evaluate's default draft is this export, not RUN_DIR/train/final."""

@@ -12,8 +12,10 @@ DEVICE_MAPS = ("", "auto", "balanced", "sequential")
 @dataclass
 class ExtractConfig:
     layer_ids: list[int] = field(default_factory=list)
-    """Aux layer ids (id k = the hidden state entering decoder layer k = HF `hidden_states[k]`);
-    empty = [2, L//2, L-3] for a target with L layers. Each id must lie in [0, L-1]."""
+    """Aux layer ids: the target layers the draft reads (id k = the hidden state entering decoder
+    layer k = HF `hidden_states[k]`), for the extract stage and for online training alike (the one
+    key for both); empty = [2, L//2, L-3] for a target with L layers. Each id must lie in [0, L-1],
+    ascending."""
     token_budget: int = 16384
     """Tokens per forward batch, padding included (rows x padded length, or the packed row length).
     Lower it on an out-of-memory error; raise it for throughput on large GPUs."""
@@ -44,7 +46,7 @@ class ExtractConfig:
     """transformers attention implementation (sdpa, eager, flash_attention_2, ...); empty = transformers' default."""
     backend: str = "hf"
     """Extraction backend: `hf` (transformers, this process's device) or `vllm` (vLLM's offline engine,
-    its own parallelism; run eyas from a venv with vLLM, README "vLLM backend"). The writer, index,
+    its own parallelism; run eyas from a venv with vLLM, docs/reference.md "vLLM backend"). The writer, index,
     checksums and resume code do not depend on it."""
     vllm_tensor_parallel_size: int = 1
     """vLLM backend: GPUs the target's layers are split over (vLLM `tensor_parallel_size`)."""
@@ -93,7 +95,7 @@ class ExtractConfig:
     min_free_gb: float = 0.0
     """GB every filesystem the shards go to keeps free. A tmpfs's free space is its size limit less
     what it holds, not memory: to keep M GB of memory, keep (tmpfs free - (MemAvailable - M)) free
-    there (bench/place_states.py does). Shards other ranks are writing are not counted: add
+    there (scripts/place_states.py does). Shards other ranks are writing are not counted: add
     (ranks - 1) x 2 shards (extract.shard_bytes, or one batch when larger). 0 with no
     extract.spill_dirs: no check per shard (the stage still refuses to start when the whole extract
     does not fit the free space)."""

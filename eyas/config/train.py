@@ -28,14 +28,17 @@ class TrainConfig:
     cross-entropy against the teacher distribution (the EAGLE-3 reference's, w = 0) + w x the
     cross-entropy against its top-1. Greedy serving accepts a draft token exactly when it is that
     top-1; sampled serving accepts by the whole distribution. The logged train and held-out losses
-    are this mixed loss: compare accuracies, not losses, across values of w. On SmolLM2 (one H200,
-    BENCHMARKS.md session 11) w = 1 read below w = 0 on held-out accuracy and MT-bench tau."""
+    are this mixed loss: compare accuracies, not losses, across values of w. Experimental: on
+    SmolLM2-135M w = 1 read below w = 0 on held-out accuracy and MT-bench tau (chain 2.98 against
+    3.04 on the same data, docs/benchmarks.md); 0 < w < 1 has not been measured."""
     align_top_k: int = 0
     """Train TTT step i only at positions where the target's top-1 was among the draft's k best at
     every earlier step (GRIFFIN's token-alignable training; 1 = the greedy chain: serving never
     drafts past a rejected token, so positions after a miss only spend the draft's capacity).
     0 = every position trains (the EAGLE-3 reference). The logged accuracies stay over all
-    positions; chain_acc_rows_T and tau_chain_rows are the greedy chain's, whatever k."""
+    positions; chain_acc_rows_T and tau_chain_rows are the greedy chain's, whatever k.
+    Experimental: on SmolLM2-135M k = 1 showed no gain, k = 3 with align_norm=kept gained a little
+    on a draft trained on with it (docs/benchmarks.md) and trained slower from random weights."""
     align_norm: str = "valid"
     """What divides step i's loss under align_top_k: valid = its valid positions (kept or not), so a
     step weighs less as fewer of its positions stay aligned; kept = the positions align_top_k keeps
@@ -97,10 +100,10 @@ class TrainConfig:
     """How each TTT step's loss and accuracy are computed from its W-wide logits: eager (plain torch
     ops, each a pass over float32 rows x W), compiled (the same function under torch.compile, fused:
     a few passes over the logits, the teacher rows gathered inside) or auto (compiled on CUDA, eager
-    elsewhere). Both compute the same loss up to float32 rounding. On one H200 the compiled loss
-    made the SmolLM2 draft's benchmark step 1.54x faster (every position in the loss) but a real
-    run no faster, after minutes of compiling for new row counts in each process (BENCHMARKS.md,
-    session 16): measure it on your draft (bench/train.py --loss-kernel) before choosing it."""
+    elsewhere). Both compute the same loss up to float32 rounding. Experimental: on one H200 the
+    compiled loss made the SmolLM2 draft's benchmark step 1.54x faster (every position in the loss)
+    but a real run no faster, after minutes of compiling for new row counts in each process
+    (docs/benchmarks.md): measure it on your draft (bench/train.py --loss-kernel) before choosing it."""
     attention: str = "auto"
     """TTT attention kernel: sdpa (explicit boolean [S, (i+1)S] masks: memory and time quadratic in
     the row length, fine for CPU-sized rows), flex (FlexAttention block masks that skip empty tiles,
@@ -127,9 +130,6 @@ class TrainConfig:
     norm_before_residual: bool = False
     """Use hidden_norm(h) instead of h as the attention residual (the variant some vLLM /
     speculators checkpoints use); recorded in draft_config.json."""
-    layer_ids: list[int] = field(default_factory=list)
-    """Online mode: target layers whose outputs are the aux states (empty = eyas.capture's default).
-    Offline mode reads them from the extract output."""
     target_device: str = ""
     """Online mode: where the target runs: a device (cuda:1 keeps it off the draft's GPU), or
     auto / balanced / sequential to spread it over the visible GPUs with accelerate's device_map
@@ -137,9 +137,8 @@ class TrainConfig:
     target_group_tokens: int = 0
     """Online mode: 0 = each batch's samples go through the target in one forward, padded to the
     longest; N > 0 = in groups of similar length, cut where the padding saved outweighs N tokens'
-    worth of one more forward (`eyas.train.data.row_groups`). On SmolLM2-135M (one H200, session
-    22) three groups took as long as one forward of 3.2x their tokens; a large, compute-bound
-    target may gain from groups (not measured)."""
+    worth of one more forward (`eyas.train.data.row_groups`). Experimental: on SmolLM2-135M (one
+    H200) grouping did not pay; a large, compute-bound target may gain from groups (not measured)."""
     eval_fraction: float = 0.02
     """Fraction of samples held out for evaluation (at least one sample when > 0). The split keeps
     together samples whose ids share a stem (ShareGPT's `X_0`, `X_1`: one conversation) or whose
@@ -178,8 +177,9 @@ class TrainConfig:
     initialisation. target: the target's lm_head rows of the draft vocabulary's tokens (W x D), all
     scaled by one factor to the mean row norm of the random initialisation, so that the draft
     starts scoring tokens along the target's output directions without the target's confident
-    logits (its rows at full scale trained worse; at this scale, better in 160-step CPU pilots:
-    BENCHMARKS.md, session 23). The rest of the draft starts as with random; with train.init_from
+    logits (its rows at full scale trained worse). Experimental: in a SmolLM2-135M training its
+    held-out tau_hat led a random head's by 0.15-0.19 at 1,000-2,000 steps and by ~0.05 later (one
+    seed; docs/benchmarks.md). The rest of the draft starts as with random; with train.init_from
     the head is that draft's (refused together)."""
     resume: str = ""
     """auto: continue from the latest checkpoint in OUT_DIR/checkpoints if there is one; a
@@ -244,7 +244,3 @@ class TrainConfig:
         require(self.num_workers >= -1, f"train.num_workers={self.num_workers} must be >= 0 (or -1 = auto)")
         require(self.target_group_tokens >= 0,
                 f"train.target_group_tokens={self.target_group_tokens} must be >= 0 (0 = one forward per batch)")
-        require(
-            len(set(self.layer_ids)) == len(self.layer_ids),
-            f"train.layer_ids={self.layer_ids} repeats a layer",
-        )

@@ -146,9 +146,8 @@ def preflight(cfg: EyasConfig, device: torch.device, world_size: int, rank: int 
         "hidden_size": hidden,
         "prepare_hashes": prepared.meta.get("hashes", {}),
         "prepare_tokens": int(prepared.offsets[-1]),
+        "backend": ec.backend,
     }
-    if ec.backend != "hf":  # only then: partial runs made before backends existed stay resumable
-        fingerprint["backend"] = ec.backend
     store.check_run(out, fingerprint)
     n = min(len(prepared), ec.max_samples) if ec.max_samples else len(prepared)
     entries = store.read_journals(out)

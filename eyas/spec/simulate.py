@@ -9,7 +9,7 @@ predicts token L+i = p+2+i. While the drafts are accepted, everything the draft 
 target's greedy output: draft i >= 1 reads the previous draft token (accepted, so token p+1+i) and
 the previous step's pre-norm output, at RoPE position p+i, attending to the committed step-0
 entries of positions 0..p and to its own earlier steps of this pass. That is TTT step i at row p
-of eyas.train.ttt (token ids[t+1+i], position pos_t+i, keys: step 0 of rows <= t and the diagonal
+of eyas.ttt (token ids[t+1+i], position pos_t+i, keys: step 0 of rows <= t and the diagonal
 of row t). So on the target's greedy output `seq`, a pass accepts
 
     n = the number of leading steps i < k whose top-1 at row p, as a target id, is seq[p+2+i],
@@ -46,7 +46,7 @@ import torch
 from eyas.spec.generate import SpecStats
 from eyas.spec.propose import DraftCache, draft_tree, extend, to_target_ids
 from eyas.spec.tree import Tree, accept_greedy_tree
-from eyas.train.ttt import sdpa_masks, ttt_forward
+from eyas.ttt import sdpa_masks, ttt_forward
 
 
 def label_mask(num_steps: int, s: int, first_label: int = 0, device=None) -> torch.Tensor:
@@ -61,7 +61,7 @@ def teacher_forced_steps(
 ) -> torch.Tensor:
     """correct_TS: TTT step i's top-1 at row t (mapped to a target id through d2t) == ids[t+2+i].
 
-    One TTT forward (eyas.train.ttt.ttt_forward, SDPA masks) over the whole sequence at positions
+    One TTT forward (eyas.ttt.ttt_forward, SDPA masks) over the whole sequence at positions
     0..S-1; draft logits only where label_mask(.., first_label) holds, False elsewhere.
     """
     s = ids_S.shape[0]

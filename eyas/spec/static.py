@@ -4,8 +4,7 @@ Legend: S query tokens, M cache slots, K aux layers / chain length (by context),
 Hkv kv heads, d head dim.
 
 Decoding one sequence issues hundreds of small kernels per token; on a GPU the launches, not the
-arithmetic, set the pace (on this project's H200 machine an eager SmolLM2-135M forward took ~80 ms
-for one token). A CUDA graph replays a whole forward as one launch, but it needs fixed shapes and
+arithmetic, set the pace (on an H200 an eager SmolLM2-135M forward took 30-80 ms for one token). A CUDA graph replays a whole forward as one launch, but it needs fixed shapes and
 no host synchronisation inside. So this path keeps the same round logic (eyas.spec.generate) and
 changes only where keys and values live:
 
@@ -42,7 +41,6 @@ import torch
 from eyas.capture import HiddenStateCapture
 from eyas.errors import EyasError
 from eyas.spec.cache import _check_full_attention
-from eyas.spec.propose import extend as eager_extend
 from eyas.spec.propose import to_target_ids
 from eyas.spec.verify import _cache_kwarg, new_cache
 

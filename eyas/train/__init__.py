@@ -12,12 +12,12 @@ Output (RUN_DIR/train):
     metrics.jsonl               one record per log / eval: loss and accuracy per TTT step, tau,
                                 lr, grad norm, tokens/s  (`eyas plot RUN_DIR/train` draws them)
     checkpoints/step_XXXXXXX/   atomic; draft + optimizer, scheduler, data position, RNG states
-    final/                      draft.safetensors + draft_config.json (eyas.draft.load_draft)
+    final/                      draft.safetensors + draft_config.json (eyas.draft_files.open_draft)
     meta.json, config.yaml      written last: the run is complete
 
-Modules: ttt (TTT unroll + naive reference), loss (teacher, loss, metrics), data (batches),
-loop (train step, evaluation, logging), checkpoint, parallel (DDP / FSDP2), build (wiring),
-target_weights (embedding + LM head without loading the target).
+Modules: loss (teacher, loss, metrics), data (batches), loop (train step, evaluation, logging),
+checkpoint, parallel (DDP / FSDP2), build (wiring), init_from (train.init_from), target_weights
+(embedding + LM head without loading the target); the TTT unroll itself is eyas.ttt.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
     from eyas.distributed import barrier
     from eyas.errors import ConfigError
     from eyas.target import describe_target
-    from eyas.train import build, checkpoint
+    from eyas.train import build, checkpoint, init_from
     from eyas.train.data import batch_loader, epoch_batches
     from eyas.train.loop import Schedule, fit, record_failure
 
@@ -62,7 +62,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
     out, ckpt_root = build.stage_dirs(cfg)
     resume = checkpoint.resolve_resume(tc.resume, ckpt_root)
     if not tc.resume and ((out / "meta.json").exists() or checkpoint.checkpoints(ckpt_root)):
-        raise ConfigError(f"{out} already holds a training run: pass --resume auto to continue it, or a new --train.out_dir")
+        raise ConfigError(f"{out} already holds a training run: pass --train.resume=auto to continue it, or a new --train.out_dir")
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "config.yaml", dump_config(cfg))
@@ -73,9 +73,9 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
               "training stops at its first logging step", flush=True)
     try:
         if tc.init_from and resume is None:
-            build.check_init_from(tc.init_from)
+            init_from.init_files(tc.init_from)
             if data is None:  # data given in memory has no prepare directory: build_trainer checks it then
-                build.check_init_vocab(tc, cfg.stage_dir("prepare"))
+                init_from.check_init_vocab(tc, cfg.stage_dir("prepare"))
         if data is None:
             data = build.load_data(cfg, device)
         build.verify_shards(data.source, rank, world_size, device)

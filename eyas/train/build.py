@@ -5,9 +5,8 @@ Legend: V target vocab, W draft vocab, D hidden.
 
 from __future__ import annotations
 
-import json
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +14,14 @@ import torch
 
 from eyas import vocab
 from eyas.artifacts import hash_json
-from eyas.config import EyasConfig, TrainConfig
-from eyas.draft import SHAPE_FIELDS, DraftConfig, Eagle3Draft, init_flex_attention
+from eyas.config import EyasConfig
+from eyas.draft import DraftConfig, Eagle3Draft, init_flex_attention
 from eyas.errors import ArtifactError, ConfigError
 from eyas.train.data import OnlineStates, split_groups, split_indices
 from eyas.train.loop import Teacher, Trainer, lr_lambda
+from eyas.train.init_from import init_weights
 from eyas.train.parallel import parallelize
-from eyas.train.ttt import TTTDraft
+from eyas.ttt import TTTDraft
 
 DEVICE_MAPS = ("auto", "balanced", "sequential")
 
@@ -74,16 +74,16 @@ def load_data(cfg: EyasConfig, device: torch.device) -> TrainData:
         embed, head = load_embed_and_head(cfg.target)
         return TrainData(hs, prep.d2t, prep.t2d, list(hs.layer_ids), embed.to(dtype), head.to(dtype), tcfg, None, inputs,
                          split_groups_of(prep, hs.indices, hs.ids))
-    from eyas.capture import check_layer_ids, default_layer_ids, num_layers
+    from eyas.capture import check_layer_ids, default_layer_ids
     from eyas.target import load_model
 
+    n = tcfg.num_hidden_layers  # checked before the target loads; extract.layer_ids is the one aux-layer key
+    layer_ids = check_layer_ids(list(cfg.extract.layer_ids) or default_layer_ids(n), n)
     if tc.target_device in DEVICE_MAPS:  # the target spread over this process's visible GPUs
         model = load_model(cfg.target, device_map=tc.target_device)
     else:
         model = load_model(cfg.target, device=torch.device(tc.target_device) if tc.target_device else device)
     target_device = model.get_input_embeddings().weight.device
-    n = num_layers(model)
-    layer_ids = check_layer_ids(list(tc.layer_ids) or default_layer_ids(n), n)
     embed = model.get_input_embeddings().weight.detach()
     out = model.get_output_embeddings()
     head = out.weight.detach() if out is not None else embed
@@ -174,166 +174,6 @@ def flex_row_length(max_tokens: int) -> int:
     return -(-max_tokens // 128) * 128
 
 
-def check_init_from(path: str) -> Path:
-    """--train.init_from names a draft directory of either kind (checked before anything expensive)
-    -> its weights file (eyas.draft's DRAFT_WEIGHTS or an export's WEIGHTS)."""
-    from eyas.draft import DRAFT_CONFIG, DRAFT_WEIGHTS
-    from eyas.export import CONFIG, WEIGHTS
-
-    d = Path(path)
-    for config, weights in ((DRAFT_CONFIG, DRAFT_WEIGHTS), (CONFIG, WEIGHTS)):
-        if (d / config).is_file() and (d / weights).is_file():
-            return d / weights
-    raise ConfigError(f"train.init_from={path!r}: not a draft directory (an eyas draft holds {DRAFT_CONFIG} + "
-                      f"{DRAFT_WEIGHTS}, as train's final/; an export holds {CONFIG} + {WEIGHTS})")
-
-
-def init_from_vocab(path: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """train.init_from's draft vocabulary (d2t, t2d) and its target's vocab_size, read without
-    building the draft (whose embedding would be the target's V x D). An export of a draft whose
-    draft vocabulary is the whole vocabulary holds no d2t/t2d: the identity then, as load_exported reads it."""
-    from safetensors import safe_open
-
-    from eyas.draft import DRAFT_CONFIG, DRAFT_WEIGHTS
-    from eyas.export import CONFIG, exported_draft_config, whole_vocab
-
-    weights = check_init_from(path)
-    if weights.name == DRAFT_WEIGHTS:
-        dcfg = DraftConfig(**json.loads((weights.parent / DRAFT_CONFIG).read_text()))
-    else:
-        dcfg = exported_draft_config(json.loads((weights.parent / CONFIG).read_text()))
-    with safe_open(str(weights), "pt") as f:
-        if "d2t" in f.keys():
-            return f.get_tensor("d2t"), f.get_tensor("t2d"), dcfg.vocab_size
-    return *whole_vocab(dcfg), dcfg.vocab_size
-
-
-def is_same_vocab(src_d2t: torch.Tensor, src_t2d: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> bool:
-    return src_d2t.shape == d2t.shape and src_t2d.shape == t2d.shape and torch.equal(
-        src_d2t, d2t.to(src_d2t.device)) and torch.equal(src_t2d, t2d.to(src_t2d.device))
-
-
-def other_vocab(path: str, src_d2t: torch.Tensor, d2t: torch.Tensor) -> ArtifactError:
-    theirs = set((torch.arange(src_d2t.numel()) + src_d2t.cpu()).tolist())
-    missing = sum(1 for i in (torch.arange(d2t.numel()) + d2t.cpu()).tolist() if i not in theirs)
-    return ArtifactError(f"train.init_from={path!r} has another draft vocabulary than this run's prepare stage "
-                         f"(d2t/t2d: {missing} of the {d2t.numel()} draft tokens here are not among its "
-                         f"{src_d2t.numel()}): prepare with the draft_vocab_size and data it was trained on, start "
-                         "without it, or pass --train.init_vocab=remap to carry its lm_head rows over by token")
-
-
-def check_init_vocab(tc: TrainConfig, prepare_dir: Path) -> None:
-    """train.init_from's draft vocabulary against prepare's (its vocab.safetensors) unless
-    train.init_vocab=remap maps one onto the other, before anything expensive: `eyas run` checks
-    it before extract, train before it loads the data (new data selects another draft vocabulary:
-    session 29's run found out only after 96 s of extract and 44 s of hashing its shards). A
-    draft for a target of another vocabulary is refused even with remap: nothing carries it over."""
-    from safetensors.torch import load_file
-
-    if not tc.init_from:
-        return
-    v = load_file(str(Path(prepare_dir) / "vocab.safetensors"))
-    src_d2t, src_t2d, vocab_size = init_from_vocab(tc.init_from)
-    if vocab_size != v["t2d"].numel():
-        raise ConfigError(f"train.init_from={tc.init_from!r} is a draft for another target (vocab_size {vocab_size} "
-                          f"there, {v['t2d'].numel()} here): start without it")
-    if tc.init_vocab != "remap" and not is_same_vocab(src_d2t, src_t2d, v["d2t"], v["t2d"]):
-        raise other_vocab(tc.init_from, src_d2t, v["d2t"])
-
-
-def init_weights(
-    draft: Eagle3Draft, path: str, d2t: torch.Tensor, t2d: torch.Tensor, lm_head_VD: torch.Tensor | None = None,
-    remap: bool = False,
-) -> dict[str, Any]:
-    """Copy the trained draft at `path` (--train.init_from) into `draft` -> {dir, weights_sha256}
-    for meta.json and the checkpoints (a resumed run still names it), plus `vocab` {copied, new}
-    when the vocabulary was remapped. Refused unless it has the draft's shape (SHAPE_FIELDS) and
-    vocabulary; `remap` (--train.init_vocab=remap) allows another draft vocabulary: lm_head rows
-    by target token (`remap_head`, which needs the target's `lm_head_VD`)."""
-    from eyas.assets import sha256_file
-    from eyas.draft import DRAFT_WEIGHTS, load_draft
-    from eyas.export import load_exported
-
-    weights = check_init_from(path)
-    load = load_draft if weights.name == DRAFT_WEIGHTS else load_exported
-    src = load(weights.parent, draft.embed_weight)
-    have, want = src.config.to_dict(), draft.config.to_dict()
-    fields = [k for k in SHAPE_FIELDS if k != "draft_vocab_size"]  # the vocabulary check below says more
-    diff = ", ".join(f"{k} {have[k]} there, {want[k]} here" for k in fields if have[k] != want[k])
-    if diff:
-        raise ConfigError(f"train.init_from={path!r} is another draft shape ({diff}): set the --train.* shape keys "
-                          "(intermediate_size, num_layers, heads) to the draft's, or start without it")
-    same_vocab = is_same_vocab(src.d2t, src.t2d, d2t, t2d)
-    if not same_vocab and not remap:
-        raise other_vocab(path, src.d2t, d2t)
-    trained = dict(src.named_parameters())
-    record: dict[str, Any] = {"dir": str(weights.parent), "weights_sha256": sha256_file(weights)}
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if name == "lm_head.weight" and not same_vocab:
-                if lm_head_VD is None:
-                    raise ValueError("init_weights(remap=True) on another vocabulary needs the target's lm_head_VD")
-                head, record["vocab"] = remap_head(trained[name], src.d2t, d2t, lm_head_VD)
-                p.copy_(head)
-            else:
-                p.copy_(trained[name])
-    return record
-
-
-def target_head_rows(lm_head_VD: torch.Tensor, d2t: torch.Tensor) -> torch.Tensor:
-    """The target's lm_head rows of the draft vocabulary's tokens, in draft-id order -> W x D
-    (float32, on the CPU; only those rows leave the target's device)."""
-    ids_W = vocab.draft_to_target(torch.arange(d2t.numel()), d2t.cpu())
-    return lm_head_VD.detach()[ids_W.to(lm_head_VD.device)].cpu().float()
-
-
-def remap_head(
-    head_UD: torch.Tensor, src_d2t: torch.Tensor, d2t: torch.Tensor, lm_head_VD: torch.Tensor
-) -> tuple[torch.Tensor, dict[str, int]]:
-    """A trained draft's lm_head (U rows: draft ids of `src_d2t`) -> one for the draft vocab `d2t`
-    (W rows) and {copied, new}: a token both hold keeps its trained row; each other row is the
-    target's row of that token times M, the least-squares fit of target rows -> trained rows on the
-    shared tokens (float32, on the CPU). None shared is refused: nothing would carry over."""
-    ids_W = vocab.draft_to_target(torch.arange(d2t.numel()), d2t.cpu())
-    row_W = vocab.draft_rows(src_d2t.cpu(), lm_head_VD.shape[0])[ids_W]
-    shared_W = row_W >= 0
-    n_shared = int(shared_W.sum())
-    if n_shared == 0:
-        raise ArtifactError("train.init_vocab=remap: the two draft vocabularies share no token")
-    trained_UD = head_UD.detach().cpu().float()
-    target_WD = target_head_rows(lm_head_VD, d2t)
-    out_WD = torch.empty(ids_W.numel(), trained_UD.shape[1])
-    out_WD[shared_W] = trained_UD[row_W[shared_W]]
-    if n_shared < ids_W.numel():
-        fit_DD = torch.linalg.lstsq(target_WD[shared_W], trained_UD[row_W[shared_W]], driver="gelsd").solution
-        out_WD[~shared_W] = target_WD[~shared_W] @ fit_DD
-    return out_WD, {"copied": n_shared, "new": ids_W.numel() - n_shared}
-
-
-def with_vocab(draft: Eagle3Draft, d2t: torch.Tensor, lm_head_VD: torch.Tensor) -> tuple[Eagle3Draft, dict[str, int]]:
-    """`draft` moved to the draft vocabulary `d2t` (W = len(d2t): another selection, or the whole
-    vocabulary with d2t all zeros) -> a new draft with the same layers, dtype and device and its
-    lm_head by token (`remap_head`), and {copied, new}. What --train.init_vocab=remap does at a
-    training's start, for a draft outside any training (bench/draft_variants.py). `lm_head_VD` must
-    be the draft's target's: its V and D are checked."""
-    c = draft.config
-    if tuple(lm_head_VD.shape) != (c.vocab_size, c.target_hidden_size):
-        raise ValueError(f"with_vocab: the target lm_head is {tuple(lm_head_VD.shape)}, the draft's target has "
-                         f"vocab_size {c.vocab_size} and hidden size {c.target_hidden_size}: pass the draft's own target")
-    ids_W = vocab.draft_to_target(torch.arange(d2t.numel()), d2t.cpu())
-    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-    t2d[ids_W] = True
-    out = Eagle3Draft(replace(c, draft_vocab_size=d2t.numel()), draft.embed_weight)
-    out.set_vocab(d2t.cpu(), t2d)
-    out.to(device=draft.fc.weight.device, dtype=draft.fc.weight.dtype)
-    head_WD, counts = remap_head(draft.lm_head.weight, draft.d2t, d2t, lm_head_VD)
-    trained = dict(draft.named_parameters())
-    with torch.no_grad():
-        for name, p in out.named_parameters():
-            p.copy_(head_WD if name == "lm_head.weight" else trained[name])
-    return out, counts
-
-
 def build_trainer(
     cfg: EyasConfig, data: TrainData, device: torch.device, rank: int = 0, world_size: int = 1, total_steps: int = 1,
     init: bool = True,
@@ -357,8 +197,8 @@ def build_trainer(
     elif init and tc.init_head == "target":
         with torch.no_grad():
             # the target's directions at the default initialisation's scale: its own rows (row norm
-            # ~3.2 for SmolLM2 against ~0.58) made the first logits confident and trained worse (BENCHMARKS.md)
-            rows_WD = target_head_rows(data.lm_head_VD, data.d2t)
+            # ~3.2 for SmolLM2 against ~0.58) made the first logits confident and trained worse (docs/benchmarks.md)
+            rows_WD = vocab.target_head_rows(data.lm_head_VD, data.d2t)
             rows_WD *= draft.lm_head.weight.norm(dim=1).mean() / rows_WD.norm(dim=1).mean()
             draft.lm_head.weight.copy_(rows_WD)
         if rank == 0:
@@ -367,8 +207,8 @@ def build_trainer(
     if init and not tc.init_from and tc.align_top_k and rank == 0:
         print(f"[eyas:train] warning: train.align_top_k={tc.align_top_k} on a draft from random weights: until its "
               f"{tc.align_top_k} best often hold the target's token, the TTT steps after the first train on few "
-              "positions (trained_share_T); from scratch it trained slower than without the mask (BENCHMARKS.md, "
-              "session 24): start it on a trained draft (--train.init_from)", flush=True)
+              "positions (trained_share_T); from scratch it trained slower than without the mask "
+              "(docs/benchmarks.md): start it on a trained draft (--train.init_from)", flush=True)
     draft.to(device)
     bf16 = tc.precision == "bf16" or (tc.precision == "auto" and device.type == "cuda")
     attention = resolve_attention(tc.attention, device)

@@ -1,6 +1,6 @@
 """Atomic training checkpoints: OUT_DIR/checkpoints/step_XXXXXXX/.
 
-    draft.safetensors, draft_config.json   the draft (eyas.draft format: load_draft reads it)
+    draft.safetensors, draft_config.json   the draft (eyas.draft_files checkpoint form)
     trainer.pt                             optimizer, scheduler, step, epoch, data position,
                                            RNG states (python, numpy, torch, cuda), world size
 
@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from eyas.draft import DraftConfig, Eagle3Draft, save_draft
+from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.draft_files import save_draft
 from eyas.errors import ArtifactError, ConfigError
 from eyas.artifacts import fsync_dir
 
@@ -54,7 +55,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 
 
 def write_draft(state: dict[str, torch.Tensor], cfg: DraftConfig, out_dir: Path) -> None:
-    """eyas.draft.save_draft on a module built on the meta device around the gathered tensors."""
+    """eyas.draft_files.save_draft on a module built on the meta device around the gathered tensors."""
     with torch.device("meta"):
         m = Eagle3Draft(cfg, torch.empty(cfg.vocab_size, cfg.hidden_size))
     m.load_state_dict(state, strict=True, assign=True)

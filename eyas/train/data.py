@@ -27,7 +27,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from eyas.capture import HiddenStateCapture, base_model, to_device
-from eyas.train.ttt import shift_left
+from eyas.ttt import shift_left
 
 
 @dataclass
@@ -258,7 +258,7 @@ def batch_loader(source, plans: list[list[int]], num_steps: int, max_tokens: int
 def row_groups(lengths: list[int], overhead_tokens: int, quantum: int = 64) -> list[list[int]]:
     """The samples of one packed batch (their `lengths`) as groups for right-padded target forwards,
     each group longest first. One padded forward of all of them computes n x max(length) tokens (4x
-    the real ones on SmolLM2's training mix, session 21); each extra forward costs about
+    the real ones on SmolLM2's training mix); each extra forward costs about
     `overhead_tokens` of compute in launches. Sorted longest first, the groups are the contiguous
     runs that minimise padded tokens + overhead_tokens per group (dynamic programming); cuts fall
     only where the length rounded up to `quantum` changes, so the search is over at most
@@ -283,7 +283,7 @@ def row_groups(lengths: list[int], overhead_tokens: int, quantum: int = 64) -> l
 
 # SDPA kernels the online target forward may use (`OnlineStates.sdpa_backends`): all but cuDNN's,
 # which builds a plan per input shape, and online batches are all new shapes. On an H200 (torch
-# 2.11, bench/online_states.py, session 22) a SmolLM2-135M batch of 16k tokens took 151 ms with
+# 2.11, bench/online_states.py) a SmolLM2-135M batch of 16k tokens took 151 ms with
 # every kernel allowed, 96 ms when the same shapes came again, and 106 ms (both times) with flash
 # alone (run after the others in the same process; cuDNN's plans the likely cause, not isolated;
 # this set itself not yet measured there)
@@ -298,7 +298,7 @@ class OnlineStates:
     the target in groups of similar length (`row_groups`, `group_overhead_tokens`) rather than all
     padded to the longest, when `group_overhead_tokens` is given (`train.target_group_tokens`); by
     default (None) all rows go in one forward, padded to the longest: on one H200
-    (bench/online_states.py, session 22) ~3 groups of similar length took as long as one forward
+    (bench/online_states.py) ~3 groups of similar length took as long as one forward
     for a SmolLM2-135M batch of 16k tokens (104 against 106 ms, flash attention), though they
     compute 1.3x the real tokens against 4.1x: on that small target the padding saved about what
     two more forwards cost. The forward runs under `sdpa_backends` (None: whatever PyTorch

@@ -19,13 +19,14 @@ from torch import nn
 
 from eyas.artifacts import hash_json
 from eyas.config import TrainConfig
+from eyas.distributed import all_reduce_sum, rank0_flag
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.errors import EyasError, exception_message, record_error
 from eyas.train import checkpoint
 from eyas.train.data import Batch, batch_loader, epoch_batches
 from eyas.train.loss import acceptance_length, chain_length, step_terms, step_weights, teacher_targets, weighted_loss
-from eyas.train.parallel import all_reduce_sum, clip_grad_norm, no_sync
-from eyas.train.ttt import flex_masks, sdpa_masks
+from eyas.train.parallel import clip_grad_norm, no_sync
+from eyas.ttt import flex_masks, sdpa_masks
 
 
 class TrainingDiverged(EyasError):
@@ -349,19 +350,19 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     """The training loop; -> final metrics (last train window, final eval)."""
     tc = tr.tc
     start = 0
-    prior: dict[str, float] | None = {"runs": 0, "steps": 0, "tokens": 0, "seconds": 0.0}  # earlier runs' work
+    prior: dict[str, float] = {"runs": 0, "steps": 0, "tokens": 0, "seconds": 0.0}  # earlier runs' work
     if resume is not None:
         state = checkpoint.load(resume, tr.model, tr.optimizer, tr.scheduler)
         start = state["step"]
-        prior = state.get("all_runs")  # None from a checkpoint of an eyas that did not count it
-        tr.init_from = state.get("init_from")  # where the run this continues started from
+        prior = state["all_runs"]
+        tr.init_from = state["init_from"]  # where the run this continues started from
         if tr.rank == 0 and (state["world_size"], state["total_steps"]) != (tr.world_size, sched.total):
             print(f"[eyas:train] warning: {resume} was written by a run of {state['total_steps']} steps on "
                   f"{state['world_size']} ranks, this one has {sched.total} steps on {tr.world_size}: the data order "
                   "and learning-rate schedule differ from the original run's", flush=True)
-        if tr.rank == 0 and state.get("train_split", sched.split_digest) != sched.split_digest:
-            print(f"[eyas:train] warning: {resume} was trained on another split of the samples (another eyas version "
-                  "split them): held-out samples of this run may have been trained on", flush=True)
+        if tr.rank == 0 and state["train_split"] != sched.split_digest:
+            print(f"[eyas:train] warning: {resume} was trained on another split of the samples: held-out samples of "
+                  "this run may have been trained on", flush=True)
     log = MetricsLog(out / "metrics.jsonl", tr.rank, tc.tensorboard, start)
     ckpt_root = out / "checkpoints"
     zero = {k: torch.zeros(tc.ttt_steps, device=tr.device if k != "mask_T" else "cpu", dtype=torch.float64)
@@ -457,13 +458,10 @@ def run_rates(windows_log: list[tuple[float, float]]) -> dict[str, float | None]
     return {"tokens_per_s": rate(windows_log), "tokens_per_s_after_first_window": rate(windows_log[1:])}
 
 
-def cumulative_work(prior: dict[str, float] | None, windows_log: list[tuple[float, float]], steps: int) -> dict | None:
+def cumulative_work(prior: dict[str, float], windows_log: list[tuple[float, float]], steps: int) -> dict:
     """The training behind a checkpoint over every run that led to it (a resumed run adds its own to the
     work recorded in the checkpoint it resumed from; a killed run's steps past its last checkpoint were
-    redone, so they are not counted): runs, steps, tokens and seconds of the logged windows, tokens/s.
-    None when the checkpoint resumed from did not record it."""
-    if prior is None:
-        return None
+    redone, so they are not counted): runs, steps, tokens and seconds of the logged windows, tokens/s."""
     tokens = int(prior["tokens"] + sum(n for n, _ in windows_log))
     seconds = prior["seconds"] + sum(s for _, s in windows_log)
     return {"runs": prior["runs"] + int(steps > 0), "steps": prior["steps"] + steps, "tokens": tokens,
@@ -486,12 +484,8 @@ def time_is_up(*, elapsed_s: float, budget_s: float, now: float, window_s: float
 def out_of_time(tr: Trainer, **clock: float) -> str:
     """`time_is_up(**clock)` by rank 0's clock, for every rank (called at a logging step, already a sync point)."""
     why = time_is_up(**clock)
-    if tr.world_size > 1:
-        flag = torch.tensor(float(bool(why)), device=tr.device)
-        torch.distributed.broadcast(flag, src=0)
-        if tr.rank != 0:
-            why = "rank 0 is out of time" if flag.item() else ""
-    return why
+    stop = rank0_flag(bool(why), tr.device)
+    return why if tr.rank == 0 else "rank 0 is out of time" if stop else ""
 
 
 def save(tr: Trainer, ckpt_root: Path, step: int, sched: Schedule, draft_cfg: DraftConfig,

@@ -27,7 +27,7 @@ before it (a chain whose answer ends before step i is in neither); tau_chain_row
 chain_T[i] / (rows at step 0) is the chain's acceptance length teacher-forced, averaged over every
 start row (a chain that reaches the end of its answer stops there, as serving's does). A decoder's
 tau (tokens / verify passes) is lower: its passes start only after a miss or a bonus token, so an
-easy stretch counts once per pass, not once per row (session 15's held-out split: BENCHMARKS.md).
+easy stretch counts once per pass, not once per row.
 Both the chain and the mask compare with the teacher's top-1 while the next step reads the data's
 token: they are the serving chain's where the data is the target's own greedy output (regenerated
 answers), an approximation elsewhere.

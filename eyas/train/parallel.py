@@ -17,7 +17,6 @@ import contextlib
 import inspect
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 
@@ -65,9 +64,3 @@ def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-    return x

@@ -1,0 +1,214 @@
+"""Regenerate's backends: who writes the target's answers.
+
+  HFBackend      the target in this process: prompts sorted by length, left-padded, batched. On
+                 CUDA (`regenerate.static_cache`, default) eyas's BatchDecoder (eyas/spec/static.py):
+                 fixed-size KV buffers and the decode step of all rows as one CUDA graph (captured
+                 in a forward's time, no compilation), rows filled up to a power of two, prompt
+                 widths bucketed (`static_widths`). Elsewhere transformers `generate`.
+                 `generate(token prompts, sampling) -> [Answer]`.
+  ServerBackend  an OpenAI-compatible /v1/chat/completions endpoint (vllm serve, SGLang) with
+                 bounded concurrency; connection errors, HTTP 429 and 5xx are retried `retries`
+                 times with backoff, then the run fails naming the conversation, the attempts and
+                 the last error. `generate_messages(chats, ids) -> [Answer]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from eyas.config import EyasConfig
+from eyas.errors import EyasError, exception_message
+
+
+@dataclass
+class Answer:
+    text: str
+    new_tokens: int
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+
+class HFBackend:
+    """Batched in-process generation with the target (greedy or sampled)."""
+
+    def __init__(self, cfg: EyasConfig, tok):
+        import torch
+
+        from eyas.target import load_model
+
+        rc = cfg.regenerate
+        self.rc, self.tok = rc, tok
+        self.device = rc.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_model(cfg.target, device=self.device)
+        self.eos = _eos_ids(self.model, tok)
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos[0]
+        self.static = rc.static_cache and self.device.startswith("cuda")
+        self.widths = sorted(rc.static_widths or {512, rc.max_prompt_tokens})
+        self.decoder = None
+        self.generator = torch.Generator(self.device).manual_seed(cfg.seed)  # eyas's decoder samples with it
+        torch.manual_seed(cfg.seed)  # transformers' generate samples from the global generator
+        self.answers = Sampling(rc.temperature, rc.top_p, rc.max_new_tokens)
+
+    def generate(self, prompts_ids: list[list[int]], sampling: Sampling | None = None) -> list[Answer]:
+        """Continuations of the token prompts; `sampling` defaults to the answers' settings."""
+        s = sampling or self.answers
+        order = sorted(range(len(prompts_ids)), key=lambda i: len(prompts_ids[i]))
+        out: list[Answer | None] = [None] * len(prompts_ids)
+        for b in range(0, len(order), self.rc.batch_size):
+            idx = order[b : b + self.rc.batch_size]
+            batch = [prompts_ids[i] for i in idx]
+            if self.static:
+                new = self._static_batch(batch, s)
+            else:
+                new = self._hf_batch(batch, s)
+            for row, i in enumerate(idx):
+                out[i] = self._answer(new[row])
+        return out  # type: ignore[return-value]
+
+    def _pick(self, logits_BV, s: Sampling):
+        import torch
+
+        if s.temperature == 0:
+            return logits_BV.argmax(-1)
+        from eyas.spec.sampling import logits_to_probs
+
+        probs = logits_to_probs(logits_BV.float(), s.temperature)
+        if s.top_p < 1.0:
+            p_sorted, idx = probs.sort(-1, descending=True)
+            drop = p_sorted.cumsum(-1) - p_sorted > s.top_p
+            probs = probs.scatter(-1, idx, p_sorted.masked_fill(drop, 0.0))
+        return torch.multinomial(probs, 1, generator=self.generator).view(-1)
+
+    def _static_batch(self, batch: list[list[int]], s: Sampling) -> list[list[int]]:
+        """eyas's batched decoder (SlotCache + one CUDA graph per decode shape); rows and width bucketed."""
+        from eyas.spec.static import BatchDecoder
+
+        width = static_width(max(len(p) for p in batch), self.widths)
+        # rows: the batch size, or the next power of two for a short batch (a width bucket's few
+        # prompts, a round's last ones): graphs need no compilation, so a new shape costs one
+        # capture, while filler rows would cost a whole batch of decode steps
+        rows = min(self.rc.batch_size, max(8, 1 << (len(batch) - 1).bit_length()))
+        if self.decoder is None or (self.decoder.rows, self.decoder.width, self.decoder.max_new) != (rows, width, s.max_new_tokens):
+            self.decoder = None  # one decoder's caches at a time
+            if self.device.startswith("cuda"):
+                import torch
+
+                torch.cuda.empty_cache()
+            self.decoder = BatchDecoder(self.model, rows, width, s.max_new_tokens)
+        return self.decoder.generate(batch, set(self.eos), self.pad, lambda logits_BV: self._pick(logits_BV, s))
+
+    def _hf_batch(self, batch: list[list[int]], s: Sampling) -> list[list[int]]:
+        import torch
+
+        width = max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, p in enumerate(batch):  # left padding: generation continues from the right edge
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        kw: dict[str, Any] = dict(
+            max_new_tokens=s.max_new_tokens,
+            do_sample=s.temperature > 0,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+        )
+        if s.temperature > 0:
+            kw.update(temperature=s.temperature, top_p=s.top_p, top_k=0)
+        else:
+            kw.update(temperature=None, top_p=None, top_k=None)
+        with torch.inference_mode():
+            gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kw)
+        return gen[:, width:].cpu().tolist()  # one host sync per batch
+
+    def _answer(self, new: list[int]) -> Answer:
+        n, reason = len(new), "length"
+        for j, t in enumerate(new):
+            if t in self.eos:
+                n, reason = j + 1, "stop"
+                break
+        text = self.tok.decode(new[:n], skip_special_tokens=True)
+        return Answer(text.strip(), n, reason)
+
+
+def static_width(width: int, widths: list[int]) -> int:
+    """The smallest compiled width that holds a prompt batch of `width` tokens."""
+    for w in widths:
+        if width <= w:
+            return w
+    raise EyasError(f"regenerate: a prompt of {width} tokens is wider than every regenerate.static_widths {widths}")
+
+
+def _eos_ids(model, tok) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tok.eos_token_id is not None:
+        ids.add(tok.eos_token_id)
+    if not ids:
+        raise EyasError("the target defines no eos token (generation_config.eos_token_id / tokenizer.eos_token)")
+    return sorted(ids)
+
+
+class ServerBackend:
+    """An OpenAI-compatible /v1/chat/completions endpoint (vllm serve, SGLang, ...)."""
+
+    def __init__(self, cfg: EyasConfig):
+        self.rc = cfg.regenerate
+        self.url = self.rc.server_url.rstrip("/") + "/v1/chat/completions"
+        self.model = self.rc.server_model or cfg.target.model
+        self.retried = 0
+
+    def generate_messages(self, prompts: list[list[dict[str, str]]], ids: list[str]) -> list[Answer]:
+        with ThreadPoolExecutor(max_workers=self.rc.concurrency) as pool:
+            return list(pool.map(self._one, prompts, ids))
+
+    def _one(self, messages: list[dict[str, str]], conv_id: str) -> Answer:
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": self.rc.max_new_tokens,
+            "temperature": self.rc.temperature,
+            "top_p": self.rc.top_p,
+            **self.rc.extra_body,
+        }
+        data = json.dumps(body).encode()
+        last = ""
+        for attempt in range(self.rc.retries + 1):
+            if attempt:
+                self.retried += 1
+                time.sleep(min(2.0 ** (attempt - 1), 30.0))
+            req = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=self.rc.timeout_s) as resp:
+                    payload = json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode(errors="replace")[:2000]
+                last = f"HTTP {e.code} {e.reason}: {detail}"
+                if e.code == 429 or e.code >= 500:
+                    continue
+                raise EyasError(f"regenerate: {self.url} refused conversation {conv_id}: {last}") from None
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+                last = f"{type(e).__name__}: {exception_message(e)}"
+                continue
+            try:
+                choice = payload["choices"][0]
+                text = choice["message"]["content"] or ""
+                n = int((payload.get("usage") or {}).get("completion_tokens", 0))
+                reason = choice.get("finish_reason") or "stop"
+            except (KeyError, IndexError, TypeError) as e:
+                raise EyasError(f"regenerate: malformed response from {self.url} for conversation {conv_id}: {str(payload)[:500]}") from e
+            return Answer(text.strip(), n, "length" if reason == "length" else "stop")
+        raise EyasError(
+            f"regenerate: conversation {conv_id} failed after {self.rc.retries + 1} attempts at {self.url}; last error: {last}"
+        )
