@@ -13,7 +13,7 @@ Forms (`locate` tells which a directory holds):
   speculators   DIR/config.json + DIR/model.safetensors: the layout `vllm serve DIR` recognises.
   export root   DIR/speculators/ and/or DIR/sglang/, as `eyas export` writes them (speculators first).
 
-Every convention below was read in the engines' sources; tests/test_export.py pins each one.
+Every convention below was read in the engines' sources; tests/test_draft_files.py pins each one.
 
 Tensor names (the literal tables SGLANG_KEYS / SPECULATORS_KEYS)
   * eyas's state_dict already uses the EAGLE-3 reference names (`midlayer.*`), which is what SGLang

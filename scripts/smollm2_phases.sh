@@ -382,7 +382,7 @@ m.save_pretrained(sys.argv[2])
 AutoTokenizer.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[2])
 PY
     stamp "pytest: CUDA graphs vs eager static caches (fp32)"
-    $PY -m pytest -q -x -p no:cacheprovider tests/test_spec_static.py -k "gpu or graphs" 2>&1 | tail -5 || true
+    $PY -m pytest -q -x -p no:cacheprovider tests/spec/test_static.py -k "gpu or graphs" 2>&1 | tail -5 || true
     stamp "regenerate + extract + train on the random target"
     $E run $R --run_dir=$WORK/chk --prepare.data=$src --evaluate.bench=$KEEP/mtbench.jsonl --target.model=$WORK/rtgt --prepare.max_conversations=3072 \
         --regenerate.max_new_tokens=256 --regenerate.max_turns=1 --regenerate.chunk_conversations=1024 \
@@ -395,7 +395,7 @@ PY
     ;;
 keep)
     # a short GPU self-check: CUDA graphs vs eager static caches
-    [[ ${SELF_CHECK:-1} == 1 ]] && { $PY -m pytest -q -x -p no:cacheprovider tests/test_spec_static.py -k "gpu or graphs" 2>&1 | tail -2 || true; }
+    [[ ${SELF_CHECK:-1} == 1 ]] && { $PY -m pytest -q -x -p no:cacheprovider tests/spec/test_static.py -k "gpu or graphs" 2>&1 | tail -2 || true; }
     # regenerate's decode step reading only the cache slots written so far (kv_block 256) vs all of them
     cfgdir=$(find_asset smolcfg)
     if [[ -n $cfgdir && -d $cfgdir ]]; then

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create the separate venv that runs vLLM (CPU build): tests/test_vllm.py serves exported drafts in
-# it, and `eyas extract --extract.backend=vllm` runs from it (tests/test_extract_vllm.py).
+# it, and `eyas extract --extract.backend=vllm` runs from it (tests/extract/test_vllm_backend.py).
 #
 #   scripts/vllm-venv.sh                      # -> .venv-vllm in the repo root
 #   EYAS_VLLM_VENV=/somewhere scripts/vllm-venv.sh

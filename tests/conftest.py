@@ -1,4 +1,6 @@
-"""Shared fixtures. Stage-specific helpers live beside their tests (tests/<stage>_helpers.py)."""
+"""Session fixtures for every test. The tests mirror the package (tests/train/test_loop.py checks
+eyas/train/loop.py); tiny models and drafts are built in tests/models.py, chat data and prepare runs
+in tests/data.py; a directory's own fixtures are in its conftest.py, its shared helpers in its runs.py."""
 
 from __future__ import annotations
 
@@ -29,6 +31,14 @@ def smollm2_tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+@pytest.fixture(scope="session")
+def tcfg(smollm2_dir):
+    """SmolLM2-135M-Instruct's HF config (the drafts of tests/smollm2_drafts.py are sized from it)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(smollm2_dir))
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The embedded assets (eyas/assets.py) as scripts use them."""
+"""The embedded assets (eyas/assets.py): the MT-bench questions, and the SmolLM2 directory as scripts use it."""
 
 from __future__ import annotations
 
@@ -22,3 +22,11 @@ def test_smollm2_dir_prints_only_the_path_on_stdout_when_it_converts(tmp_path):
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
     again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert again.stdout == first.stdout and "converting" not in again.stderr
+
+
+def test_mtbench_loader():
+    from eyas import assets
+
+    qs = assets.load_mtbench()
+    assert len(qs) == 80 and all(len(q["turns"]) == 2 for q in qs)
+    assert qs[0]["question_id"] == 81

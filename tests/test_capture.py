@@ -14,8 +14,7 @@ from eyas.capture import (
     find_final_norm,
 )
 from eyas.errors import ConfigError
-from extract_helpers import ARCHS, tiny_model
-
+from tests.models import ARCHS, tiny_model
 
 
 @pytest.fixture(scope="module")

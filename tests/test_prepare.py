@@ -1,4 +1,4 @@
-"""prepare: loss masks on real chat templates, vocab mapping, real data loaders, end to end, bad input.
+"""prepare: loss masks on real chat templates, end to end, workers, bad input.
 
 The loss-mask reference is independent of the implementation (which works on character offsets):
 it decodes each maximal run of masked tokens and requires the runs to be exactly the assistant
@@ -12,16 +12,15 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
-from eyas import Prepared, vocab
+from eyas import Prepared
 from eyas.chat import Conversation, load_conversations
 from eyas.cli import main as cli
 from eyas.config import load_config
-from eyas.errors import DataError
 from eyas.prepare import tokenize_conversations
+
 
 # Meta-Llama-3-8B-Instruct's chat template (verbatim).
 LLAMA3_TEMPLATE = (
@@ -31,6 +30,7 @@ LLAMA3_TEMPLATE = (
     "{{ content }}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
 )
+
 
 # Qwen2.5-Instruct's chat template without the tool-calling branches.
 QWEN25_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
@@ -47,6 +47,7 @@ QWEN25_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
 """
+
 
 # Qwen3's chat template without the tool-calling branches: the last assistant turn after the last
 # user query gets an (empty) <think> block that is *not* assistant content and must stay unmasked.
@@ -82,6 +83,7 @@ QWEN3_TEMPLATE = """{%- if messages[0].role == 'system' %}
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
 """
+
 
 HANDMADE = [
     Conversation("multi", [
@@ -193,133 +195,6 @@ def test_truncation_keeps_prefix_and_counts(smollm2_tokenizer):
     conv2 = Conversation("late", [{"role": "user", "content": "x " * 300}, {"role": "assistant", "content": "y"}])
     ids, masks, kept = tokenize_conversations(smollm2_tokenizer, [conv2], 64, 8, counts)
     assert kept == [] and counts["dropped_no_loss_tokens_after_truncation"] == 1
-
-
-# ---- draft vocabulary -------------------------------------------------------------------------
-
-
-def test_vocab_hand_computed():
-    # V = 8; loss-masked tokens: 5 x3, 2 x2, 7 x2, 1 x1; token 3 appears only unmasked.
-    ids = np.array([5, 5, 2, 3, 7, 5, 2, 7, 1, 3])
-    mask = np.array([1, 1, 1, 0, 1, 1, 1, 1, 1, 0])
-    counts = vocab.token_counts(ids, mask, 8)
-    assert counts.tolist() == [0, 1, 2, 0, 0, 3, 0, 2]
-    sel = vocab.select_draft_tokens(counts, 3)  # 5 (3), then 2 and 7 (2 each; tie -> smaller id first)
-    assert sel.tolist() == [2, 5, 7]
-    d2t, t2d = vocab.d2t_t2d(sel, 8)
-    assert d2t.tolist() == [2, 4, 5]  # target = draft + d2t[draft]: 0->2, 1->5, 2->7
-    assert t2d.tolist() == [False, False, True, False, False, True, False, True]
-    assert vocab.draft_rows(d2t, 8).tolist() == [-1, -1, 0, -1, -1, 1, -1, 2]
-    # a W == V draft whose rows are a permutation: draft 0 holds target 3, 1 -> 0, 2 -> 2, 3 -> 1
-    assert vocab.draft_rows(torch.tensor([3, -1, 0, -2]), 4).tolist() == [1, 3, 2, 0]
-    assert vocab.coverage(counts, sel) == pytest.approx(7 / 8)
-    # ties broken by id: k=2 takes 5 and then 2 (not 7)
-    assert vocab.select_draft_tokens(counts, 2).tolist() == [2, 5]
-
-
-def test_vocab_round_trip():
-    g = torch.Generator().manual_seed(0)
-    v = 1000
-    counts = torch.randint(0, 50, (v,), generator=g).numpy()
-    sel = vocab.select_draft_tokens(counts, 300)
-    d2t, t2d = vocab.d2t_t2d(sel, v)
-    draft = torch.arange(300)
-    target = vocab.draft_to_target(draft, d2t)
-    assert torch.equal(target, torch.as_tensor(sel))
-    assert torch.equal(vocab.target_to_draft(target, t2d), draft)
-    outside = torch.nonzero(~t2d).flatten()
-    assert (vocab.target_to_draft(outside, t2d) == -1).all()
-
-
-# ---- real data loaders ---------------------------------------------------------------------------
-
-
-def test_sharegpt_loader_real_truncated_file():
-    from eyas import assets
-
-    recs = assets.load_sharegpt()
-    assert len(recs) == 17671
-    assert recs[0]["id"] == "QWJhYvA_0"
-    convs, counts = load_conversations("embedded:sharegpt")
-    assert counts["records"] == 17671
-    assert counts["dropped_empty_record"] > 0 and counts["removed_leading_assistant_turn"] > 0
-    dropped = sum(n for r, n in counts.items() if r.startswith("dropped"))
-    assert len(convs) == 17671 - dropped
-    for c in convs[:500]:
-        roles = [m["role"] for m in c.messages if m["role"] != "system"]
-        assert roles[0] == "user" and roles[-1] == "assistant"
-        assert all(a != b for a, b in zip(roles, roles[1:]))
-
-
-def test_mtbench_loader():
-    from eyas import assets
-
-    qs = assets.load_mtbench()
-    assert len(qs) == 80 and all(len(q["turns"]) == 2 for q in qs)
-    assert qs[0]["question_id"] == 81
-
-
-def test_openai_jsonl_and_role_normalisation(tmp_path):
-    p = tmp_path / "chats.jsonl"
-    recs = [
-        {"id": "a", "messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "x"}]},
-        {"id": "b", "messages": [{"role": "assistant", "content": "lead"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "y"}]},
-        {"id": "c", "messages": []},
-        {"id": "d", "conversations": [{"from": "human", "value": "q"}, {"from": "bard", "value": "r"}]},
-    ]
-    p.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
-    convs, counts = load_conversations(str(p))
-    assert [c.id for c in convs] == ["a", "b", "d"]
-    assert convs[1].messages[0] == {"role": "user", "content": "u"}
-    assert convs[2].messages[1]["role"] == "assistant"
-    assert counts["removed_leading_assistant_turn"] == 1 and counts["dropped_empty_record"] == 1
-
-
-@pytest.mark.parametrize("name", ["chats.jsonl.xz", "chats.jsonl.gz", "chats.json.bz2", "array.json.xz"])
-def test_compressed_data_reads_as_the_plain_file(tmp_path, name):
-    import bz2, gzip, lzma
-
-    recs = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i} \u2028 é"}, {"from": "gpt", "value": f"a{i}"}]}
-            for i in range(5)]
-    plain = tmp_path / "chats.jsonl"
-    plain.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
-    text = json.dumps(recs, ensure_ascii=False) if name.startswith("array") else plain.read_text(encoding="utf-8")
-    opener = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}[Path(name).suffix]
-    packed = tmp_path / name
-    with opener(packed, "wt", encoding="utf-8") as f:
-        f.write(text)
-    assert packed.read_bytes()[:64] != text.encode()[:64]  # really compressed
-    want, _ = load_conversations(str(plain))
-    got, counts = load_conversations(str(packed))
-    assert counts["records"] == 5
-    assert [(c.id, c.messages) for c in got] == [(c.id, c.messages) for c in want]
-
-
-def test_compressed_data_errors_name_file_and_line(tmp_path):
-    import lzma
-
-    p = tmp_path / "bad.jsonl.xz"
-    with lzma.open(p, "wt", encoding="utf-8") as f:
-        f.write('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n{"messages": [\n')
-    with pytest.raises(DataError, match=r"bad\.jsonl\.xz:2: malformed JSON"):
-        load_conversations(str(p))
-
-
-@pytest.mark.parametrize("name", ["cut.jsonl.xz", "cut.json.gz", "plain.jsonl.xz", "plain.json.bz2"])
-def test_compressed_data_cut_short_or_not_compressed_names_the_file(tmp_path, name):
-    import bz2, gzip, lzma
-
-    text = "".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a" * 500}]})
-                   + "\n" for i in range(200))
-    p = tmp_path / name
-    if name.startswith("cut"):  # the file as a lost last part of a split leaves it
-        opener = {".xz": lzma.compress, ".gz": gzip.compress, ".bz2": bz2.compress}[p.suffix]
-        blob = opener(text.encode())
-        p.write_bytes(blob[: len(blob) // 2])
-    else:
-        p.write_text(text)
-    with pytest.raises(DataError, match=rf"{p.name}: cannot decompress it as {p.suffix} \(\w+"):
-        load_conversations(str(p))
 
 
 # ---- end to end ---------------------------------------------------------------------------------
@@ -453,19 +328,3 @@ def test_error_too_many_dropped(tmp_path, capsys):
     p.write_text("\n".join([json.dumps(good)] + [json.dumps({"messages": []})] * 3) + "\n")
     err = run_err(capsys, "prepare", f"--run_dir={tmp_path}", f"--prepare.data={p}", "--prepare.max_drop_fraction=0.5")
     assert "dropped 3 of 4" in err and "dropped_empty_record" in err
-
-
-def test_hf_dataset_saved_to_disk(tmp_path, capsys):
-    datasets = pytest.importorskip("datasets")
-    recs = [  # mixed forms in one table: the absent column of each row reads as None
-        {"id": "h1", "conversations": None,
-         "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
-        {"id": "h2", "messages": None,
-         "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},
-    ]
-    path = tmp_path / "ds"
-    datasets.Dataset.from_list(recs).save_to_disk(str(path))
-    convs, counts = load_conversations(str(path))
-    assert [c.id for c in convs] == ["h1", "h2"] and convs[1].messages[-1] == {"role": "assistant", "content": "4"}
-    assert cli(["prepare", f"--run_dir={tmp_path}", f"--prepare.data={path}", "--prepare.draft_vocab_size=50"]) == 0
-    assert len(Prepared(tmp_path / "prepare")) == 2

@@ -14,8 +14,9 @@ import sys
 import pytest
 
 from eyas.cli import main as cli
-from extract_helpers import Poison, poison_backend, save_tiny, write_chats
-
+from tests.data import write_synthetic_chats
+from tests.faults import Poison, poison_backend
+from tests.models import save_tiny
 
 
 def recipe(tmp_path, target):
@@ -414,7 +415,7 @@ def test_a_draft_to_start_from_of_another_vocabulary_is_refused_before_extract(t
 
     target = save_tiny("llama", tmp_path / "tiny", smollm2_dir)
     y, run = str(recipe(tmp_path, target)), tmp_path / "run"
-    args = ["--regenerate.enabled=false", f"--prepare.data={write_chats(tmp_path / 'chats.jsonl', 6)}"]
+    args = ["--regenerate.enabled=false", f"--prepare.data={write_synthetic_chats(tmp_path / 'chats.jsonl', 6)}"]
     assert cli(["run", y, *args, "--stop_after=prepare"]) == 0
     v = load_file(str(run / "prepare" / "vocab.safetensors"))
     W, V = v["d2t"].numel(), v["t2d"].numel()

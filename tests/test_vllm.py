@@ -5,7 +5,7 @@ user turns of its chat template, 24 greedy tokens each; k = 3 draft tokens) and 
 results. Two correct drafts, each exported in both layouts (SGLang / EAGLE-3 reference and
 speculators), and a third with two draft layers (vLLM's multi-layer EAGLE-3, speculators layout):
 
-* the fitted draft (tests/export_helpers.fitted_draft: eyas's TTT code fitted in-process, with
+* the fitted draft (tests/models.py's fitted_draft: eyas's TTT code fitted in-process, with
   decoys that make an aux-layer mistake collapse its tau);
 * the fitted draft again with num_layers = 2 (its second layer a plain Llama decoder layer), and a
   copy of it whose second layer's output projections are halved (a tau below the ceiling that
@@ -14,7 +14,7 @@ speculators), and a third with two draft layers (vLLM's multi-layer EAGLE-3, spe
   `--train.init_vocab=remap`'s lm_head remap, its rows in a shuffled draft order; exported without
   d2t (rows in target order), served by vLLM without a draft-to-target mapping;
 * the draft of eyas's own stages, run through the CLI as a user runs them
-  (tests/vllm_train_helpers.trained_draft): `eyas prepare` on chats whose assistant turns are the
+  (tests/vllm_serving.py's trained_draft): `eyas prepare` on chats whose assistant turns are the
   target's greedy answers to the same prompts (real tokenizer and chat template), `eyas extract`,
   `eyas train` (offline, 20 steps at lr 3e-3: it overfits those chats on purpose),
   `eyas export --format both`.
@@ -45,18 +45,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from export_helpers import (
+from tests.data import chat_prompt_ids, write_answer_chats
+from tests.models import fitted_draft, greedy_sequences, load_target
+from tests.vllm_serving import (
     PROMPTS,
     constant_acceptance,
     constant_draft,
-    fitted_draft,
-    greedy_sequences,
-    load_target,
     merge_counts,
     run_vllm,
+    trained_draft,
     vllm_python,
 )
-from vllm_train_helpers import chat_prompt_ids, trained_draft, write_answer_chats
 
 pytestmark = [
     pytest.mark.vllm,

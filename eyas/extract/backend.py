@@ -15,7 +15,7 @@ real token never attends to the padding after it, and its states equal those of 
 sample; dropping the mask lets SDPA take its fused causal (flash) path. Pad positions are
 discarded. Packed batches pass per-sample position ids and no mask; transformers (>= 4.53) builds
 the block-diagonal causal mask from the position-id restarts. Both are checked against the plain
-forward on the first batch of every run (and by tests/test_extract.py per architecture).
+forward on the first batch of every run (and by tests/extract/test_stage.py per architecture).
 
 `compile=True` runs each decoder layer's `forward` through `torch.compile` (inductor fuses the
 norms, RoPE, SiLU-gating and residual adds that eager runs as separate memory-bound kernels). Only

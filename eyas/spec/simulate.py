@@ -22,7 +22,7 @@ teacher-forced ones, but they are rejected anyway.
 
 The only input that differs: the decoder's step 0 reads the target's aux states from KV-cached
 verify forwards, the simulation from one plain forward. In float32 the accepted lengths are equal
-pass for pass (tests/test_simulate.py); in bf16 an argmax may flip where two logits nearly tie.
+pass for pass (tests/spec/test_simulate.py); in bf16 an argmax may flip where two logits nearly tie.
 
 The tree decoder (EAGLE-2, eyas.spec.generate.tree_round) is simulated pass by pass instead
 (`simulate_tree`): its trees hold draft tokens off the greedy path, which no single forward covers.

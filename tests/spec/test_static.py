@@ -12,7 +12,8 @@ import torch
 from eyas.errors import EyasError
 from eyas.spec import speculative_generate, target_generate
 from eyas.spec.static import StaticEngine
-from spec_helpers import OracleDraft, markov_draft, markov_target, random_draft, tiny_llama
+from tests.models import random_draft, tiny_llama
+from tests.spec.known_drafts import OracleDraft, markov_draft, markov_target
 
 K = 4
 
@@ -159,8 +160,8 @@ def test_smollm2_fitted_draft_deep_acceptance_is_lossless(smollm2_dir, smollm2_t
     """A draft fitted to SmolLM2's own greedy answers accepts long runs (tau > 3): every accepted
     tree path, its cache compaction and the next round's positions are exercised on the real
     model, and the output is still the target's greedy output, static caches and eager alike."""
-    from export_helpers import fitted_draft, greedy_sequences, load_target
-    from vllm_train_helpers import chat_prompt_ids
+    from tests.data import chat_prompt_ids
+    from tests.models import fitted_draft, greedy_sequences, load_target
 
     target = load_target(smollm2_dir)
     prompts = chat_prompt_ids(smollm2_tokenizer, ("The capital of France is", "def fibonacci(n):"))

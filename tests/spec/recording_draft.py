@@ -1,10 +1,8 @@
-"""Constructions for tests/test_consistency.py (training-time test vs speculative decoding).
+"""Constructions for tests/spec/test_consistency.py (training-time test vs speculative decoding), on
+its tiny target and random draft (tests/models.py's tiny_model and random_draft, with weights large
+enough that every decoder layer changes the residual stream and that a wrong position, hidden state
+or token moves the draft's logits by far more than the tolerances).
 
-* `tiny_target`: a random LlamaForCausalLM (fp32, GQA, real RoPE and KV cache) with weights large
-  enough that every decoder layer changes the residual stream (aux states of different layers differ).
-* `random_draft`: a real, untrained Eagle3Draft built with DraftConfig.from_target, draft vocab
-  `sel` (W < V, so d2t is not all zeros), weights large enough that a wrong position, hidden state
-  or token moves its logits by far more than the tolerances.
 * `RecordingDraft`: the real draft behind eyas.spec's draft interface (`config`, `d2t`, `fuse`,
   `forward_step`, `logits`). Every call goes to the real draft unchanged; it records the aux states
   the decoding loop feeds (`fed_aux`) and the real draft logits of every draft step of every round
@@ -20,45 +18,12 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.draft import Eagle3Draft
 from eyas.train.data import pack
 from eyas.ttt import TTTDraft, sdpa_masks
-from eyas.vocab import d2t_t2d, target_to_draft
-
-
-def tiny_target(vocab: int = 48, hidden: int = 32, layers: int = 4, seed: int = 0, attn: str = "sdpa"):
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = LlamaForCausalLM._from_config(cfg, attn_implementation=attn)
-    with torch.no_grad():  # HF's std 0.02 leaves the layers near the identity; these make each one count
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 1.0 if "embed" in name else 0.12)
-    return model.eval().requires_grad_(False)
-
-
-def random_draft(target, sel, aux_layer_ids=(0, 2, 3), seed: int = 0) -> Eagle3Draft:
-    """An untrained Eagle3Draft sized from the target, draft vocab = the target ids `sel`."""
-    torch.manual_seed(seed)
-    v = target.config.vocab_size
-    sel = np.sort(np.asarray(sel))
-    cfg = DraftConfig.from_target(target.config, draft_vocab_size=len(sel), aux_layer_ids=list(aux_layer_ids))
-    draft = Eagle3Draft(cfg, target.get_input_embeddings().weight)
-    draft.set_vocab(*d2t_t2d(sel, v))
-    with torch.no_grad():
-        for p in draft.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-            else:
-                p.uniform_(0.5, 1.5)  # norm weights: not all ones
-    return draft.eval().requires_grad_(False)
+from eyas.vocab import target_to_draft
 
 
 def draft_ids_of(draft, target_ids: torch.Tensor) -> torch.Tensor:

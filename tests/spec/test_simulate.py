@@ -1,7 +1,7 @@
 """eyas.spec.simulate: the greedy chain decoder re-derived from one teacher-forced TTT forward.
 
 The reference is the real decoder (speculative_generate, eager path, float32) on a random tiny
-Llama, with a draft fitted for a few steps to the target's greedy outputs (export_helpers.fitted_draft)
+Llama, with a draft fitted for a few steps to the target's greedy outputs (tests/models.py's fitted_draft)
 so that passes accept anything from 0 to all K drafts. Its accepted length per pass is recorded by
 wrapping SpecStats.add_pass, and its draft logits by wrapping the draft's `logits`: where a pass's
 drafts are fed the same tokens as the TTT (steps 0..n), the logits must agree too, which also
@@ -31,8 +31,7 @@ from eyas.spec.simulate import (
 )
 from eyas.spec.tree import Tree, accept_greedy_tree
 from eyas.train.loss import acceptance_length
-from export_helpers import fitted_draft
-from spec_helpers import tiny_llama
+from tests.models import fitted_draft, tiny_llama
 
 K = 4
 MAX_NEW = 30

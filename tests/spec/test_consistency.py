@@ -4,7 +4,7 @@ A draft that trains well and then serves at tau ~ 1 almost always has training a
 disagreeing on an alignment: token vs hidden state off by one, RoPE positions, aux-layer order, the
 pre-norm vs post-norm state fed back, the d2t direction, a shifted loss mask. Each test here runs
 the real code on both sides (no re-implementation) on a tiny random Llama target and a real random
-Eagle3Draft (tests/consistency_helpers.py), in fp32:
+Eagle3Draft (tests/models.py, with the recording draft of tests/spec/recording_draft.py), in fp32:
 
   a. TTT step i at row t == eyas.spec's draft step i in the round whose accepted context ends at
      token t+1, with the round's earlier proposals forced to the ground truth t+2 .. t+1+i; both
@@ -32,17 +32,27 @@ from eyas.spec.sampling import accept_greedy_chain, draft_probs_on_target_vocab
 from eyas.train.loop import Teacher
 from eyas.train.loss import step_terms
 from eyas.vocab import draft_to_target, target_to_draft
-from consistency_helpers import RecordingDraft, draft_ids_of, random_draft, tiny_target, ttt_logits
+from tests import models
+from tests.spec.recording_draft import RecordingDraft, draft_ids_of, ttt_logits
 
 T = 4  # TTT steps = draft tokens per round
 AUX = (0, 2, 3)
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target()
+    """A random Llama (fp32, GQA, real RoPE and KV cache) with weights large enough that every
+    decoder layer changes the residual stream (aux states of different layers differ)."""
+    return models.tiny_model(vocab=48, hidden=32, layers=4, max_positions=256, attn="sdpa", std=0.12, embed_std=1.0,
+                             frozen=True)  # fmt: skip
+
+
+def random_draft(target, sel, aux_layer_ids=AUX, seed: int = 0):
+    """An untrained Eagle3Draft sized from the target, draft vocab = the target ids `sel` (W < V, so
+    d2t is not all zeros), weights large enough that a wrong position, hidden state or token moves
+    its logits by far more than the tolerances."""
+    return models.random_draft(target, sel, aux_layer_ids, seed, std=0.2, norm_range=(0.5, 1.5))
 
 
 def rand_ids(n: int, seed: int, pool) -> torch.Tensor:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import random
 import re
 import subprocess
 import threading
@@ -36,9 +35,9 @@ from eyas.errors import ConfigError
 from eyas.extract import vllm_backend
 from eyas.extract.backend import relative_error
 from eyas.extract.vllm_backend import VLLMRequestError, engine_kwargs, load_final_norm, read_request
-from export_helpers import vllm_python
-from extract_helpers import save_tiny
-
+from tests.data import write_shared_prefix_chats
+from tests.models import save_tiny
+from tests.vllm_serving import vllm_python
 
 
 def needs_vllm(test):
@@ -74,7 +73,7 @@ def test_engine_kwargs_ask_for_aux_layers_and_the_prenorm_last_layer():
 
 
 def test_only_the_vllm_backend_modules_import_vllm():
-    root = Path(__file__).resolve().parents[1] / "eyas"
+    root = Path(__file__).resolve().parents[2] / "eyas"
     importers = sorted(str(f.relative_to(root)) for f in root.rglob("*.py")
                        if any(line.strip().startswith(("import vllm", "from vllm")) for line in f.read_text().splitlines()))
     assert importers == ["extract/vllm_backend.py", "extract/vllm_connector.py"]
@@ -165,21 +164,6 @@ def test_reader_waits_for_the_connectors_lock(tmp_path):
 # ---------------------------------------------------------------- end to end in the vLLM venv
 
 
-def write_shared_prefix_chats(path: Path, seed: int = 0) -> Path:
-    """GROUPS x PER_GROUP conversations; within a group the first user turn (~60-90 words) is the
-    same, the rest differs, so prompts share long prefixes beyond the chat template's own."""
-    rng = random.Random(seed)
-    words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jumbled boxes".split()
-    with open(path, "w", encoding="utf-8") as f:
-        for g in range(GROUPS):
-            question = " ".join(rng.choices(words, k=rng.randint(60, 90)))
-            for m in range(PER_GROUP):
-                turns = [{"from": "human", "value": question},
-                         {"from": "gpt", "value": " ".join(rng.choices(words, k=rng.randint(5, 40)))}]
-                f.write(json.dumps({"id": f"g{g}m{m}", "conversations": turns}) + "\n")
-    return path
-
-
 def run_eyas_vllm(args: list[str], log: Path, timeout_s: int = 600) -> subprocess.CompletedProcess:
     """`eyas ...` in the vLLM venv (eyas is installed there, editable, by scripts/vllm-venv.sh)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
@@ -194,7 +178,7 @@ def runs(tmp_path_factory, smollm2_dir):
     from eyas import extract, prepare
 
     root = tmp_path_factory.mktemp("vllm-extract")
-    chats = write_shared_prefix_chats(root / "chats.jsonl")
+    chats = write_shared_prefix_chats(root / "chats.jsonl", GROUPS, PER_GROUP)
     vdir, hdir = root / "vllm", root / "hf"
     common = [f"--target.model={smollm2_dir}", "--target.dtype=float32", "--extract.progress=false",
               "--extract.token_budget=640", "--extract.shard_bytes=2000000"]

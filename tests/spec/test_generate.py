@@ -1,7 +1,7 @@
 """eyas.spec: acceptance maths, trees, caches and the decoding loop, against hand-computed values
 and naive references (target-only decoding, the draft run path by path, exact target probabilities).
 
-Constructions (tests/spec_helpers.py): tiny random Llamas (real attention, KV cache); a Markov
+Constructions (tests/models.py, tests/spec/known_drafts.py): tiny random Llamas (real attention, KV cache); a Markov
 Llama whose layers are switched off, with hand-set real Eagle3Drafts that copy it / are always
 wrong / are right only at draft position 1; an oracle control draft that runs the target to
 propose and checks the context its cache exposes.
@@ -25,10 +25,10 @@ from eyas.spec.sampling import (
 )
 from eyas.spec.tree import Tree, accept_greedy_tree, ancestor_mask, select_nodes
 from eyas.spec.verify import new_cache, target_forward
-from spec_helpers import OracleDraft, markov_draft, markov_target, random_draft, tiny_llama
+from tests.models import random_draft, tiny_llama
+from tests.spec.known_drafts import OracleDraft, markov_draft, markov_target
 
 K = 4  # chain length used throughout
-
 
 
 # --- acceptance maths ------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def test_draft_tree_scores_are_path_log_probs():
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 @pytest.mark.parametrize("kind,tau", [("copy", K + 1), ("wrong", 1), ("first", 2)])
 def test_markov_drafts_give_exact_tau(mode, kind, tau):
-    """Real Eagle3Drafts with hand-set weights on the Markov target (spec_helpers.markov_draft)."""
+    """Real Eagle3Drafts with hand-set weights on the Markov target (tests/spec/known_drafts.py's markov_draft)."""
     target = markov_target()
     draft = markov_draft(target, kind)
     prompt = torch.tensor([3, 5, 7])

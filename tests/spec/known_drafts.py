@@ -1,7 +1,6 @@
-"""Targets and drafts with known behaviour for the speculative-decoding tests (no mocks of HF models).
+"""Targets and drafts with known behaviour for the speculative-decoding tests (no mocks of HF models),
+built on tests/models.py's tiny_llama and random_draft.
 
-* `tiny_llama`: a random-weight LlamaForCausalLM (context-dependent, real attention and KV cache).
-* `random_draft`: a real, untrained Eagle3Draft for a target, optionally with a draft vocab W < V.
 * `markov_target` + `markov_draft`: a real Llama whose layers are switched off (o_proj = down_proj
   = 0, so every hidden state is the token's one-hot embedding) and whose lm_head makes it predict
   f(x) = x + 1 mod V after token x, with near-certainty; and real Eagle3Drafts with hand-set
@@ -18,41 +17,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from eyas.draft import DraftConfig, Eagle3Draft
-from eyas.vocab import d2t_t2d
+from tests.models import random_draft, tiny_llama
 
 SHARP = 30.0  # logit gap of the hand-built models: the runner-up has probability ~e^-30
-
-
-def tiny_llama(vocab=16, hidden=32, layers=4, seed=0, attn="sdpa", logit_scale=1.0) -> LlamaForCausalLM:
-    """A random Llama (fp32, eval, no grad); lm_head scaled by logit_scale (peakier distributions)."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-    )  # fmt: skip
-    model = LlamaForCausalLM._from_config(cfg, attn_implementation=attn).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(logit_scale)
-    return model.requires_grad_(False)
-
-
-def random_draft(target, aux_layer_ids=(0, 1, 2), draft_tokens=None, seed=0, logit_scale=1.0, num_layers=1) -> Eagle3Draft:
-    """An untrained Eagle3Draft sized from the target; W = V, or the given target ids as draft vocab."""
-    torch.manual_seed(seed)
-    v = target.config.vocab_size
-    sel = np.arange(v) if draft_tokens is None else np.sort(np.asarray(draft_tokens))
-    cfg = DraftConfig.from_target(target.config, draft_vocab_size=len(sel), aux_layer_ids=list(aux_layer_ids),
-                                  num_layers=num_layers)
-    draft = Eagle3Draft(cfg, target.get_input_embeddings().weight)
-    draft.set_vocab(*d2t_t2d(sel, v))
-    with torch.no_grad():
-        draft.lm_head.weight.mul_(logit_scale)
-    return draft.eval().requires_grad_(False)
 
 
 # --- a Markov target and drafts whose acceptance is known exactly ---------------------------------

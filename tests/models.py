@@ -1,0 +1,246 @@
+"""Tiny models and drafts for the tests: real transformers and eyas classes, random weights, no mocks.
+
+* `tiny_config` / `tiny_model`: a small random causal LM of one of ARCHS (fp32, eval mode). The
+  defaults are the extract/capture tests' target: SmolLM2's vocabulary (so SmolLM2's tokenizer fits
+  it), non-embedding matrices redrawn at std 0.08 (HF's 0.02 leaves the residual stream tiny;
+  larger weights make the layers matter). Other tests pick other sizes and initialisations.
+* `save_tiny`: `tiny_model` + the real SmolLM2 tokenizer and chat template as an HF model directory,
+  so `eyas prepare`, `eyas extract`, `eyas train` ... run on it like on any local model.
+* `tiny_llama`: the spec/evaluate tests' target: a Llama with HF's own initialisation, frozen.
+* `random_draft`: a real, untrained Eagle3Draft sized from a target (a model or an HF config).
+* `load_target`, `greedy_sequences`, `fitted_draft`: a real target, its greedy continuations, and a
+  draft fitted in seconds to them (eyas's TTT code), so that its acceptance is well above 1.
+
+Every builder seeds torch itself: the same arguments give the same weights in any test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from eyas.draft import DraftConfig, Eagle3Draft
+from eyas.vocab import d2t_t2d, target_to_draft
+
+VOCAB = 49152  # SmolLM2's
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "deepseek_v3")
+
+
+def tiny_config(arch: str = "llama", vocab: int = VOCAB, hidden: int = 64, layers: int = 8, heads: int = 4,
+                kv_heads: int = 2, max_positions: int = 4096):
+    """A small HF config of `arch` (MLP 2 x hidden, untied LM head; per-arch extras below)."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        return tf.LlamaConfig(**common)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common)
+    if arch == "qwen3":
+        return tf.Qwen3Config(head_dim=16, **common)
+    if arch == "mistral":
+        return tf.MistralConfig(sliding_window=32, **common)
+    if arch == "gemma":
+        return tf.GemmaConfig(head_dim=16, **common)
+    if arch == "gemma2":
+        return tf.Gemma2Config(head_dim=16, sliding_window=32, query_pre_attn_scalar=16, **common)
+    if arch == "deepseek_v3":  # MLA (low-rank q/kv, split rope/nope heads) + MoE after the first dense layer
+        common.update(num_key_value_heads=heads)
+        return tf.DeepseekV3Config(
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            **common,
+        )
+    raise ValueError(arch)
+
+
+def tiny_model(
+    arch: str = "llama", *, vocab: int = VOCAB, hidden: int = 64, layers: int = 8, heads: int = 4, kv_heads: int = 2,
+    max_positions: int = 4096, seed: int = 0, attn: str | None = None, std: float | None = 0.08,
+    embed_std: float | None = None, lm_head_scale: float = 1.0, frozen: bool = False,
+):  # fmt: skip
+    """A random `tiny_config` model in fp32, eval mode.
+
+    After torch.manual_seed(seed) and HF's own initialisation, every matrix is redrawn from
+    N(0, embed_std) if its name holds "embed", else from N(0, std) (None: HF's initialisation kept),
+    in parameter order; then the LM head is scaled by lm_head_scale (peakier distributions).
+    attn: the attention implementation (None: transformers' default). frozen: no gradients.
+    """
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, vocab, hidden, layers, heads, kv_heads, max_positions)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **({"attn_implementation": attn} if attn else {}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            sd = embed_std if "embed" in name else std
+            if p.dim() >= 2 and sd is not None:
+                p.normal_(0, sd)
+        if lm_head_scale != 1.0:
+            model.lm_head.weight.mul_(lm_head_scale)
+    model.eval()
+    return model.requires_grad_(False) if frozen else model
+
+
+def save_tiny(arch: str, out: str | Path, tokenizer_dir: str | Path, **kw) -> Path:
+    """A `tiny_model(arch, **kw)` + the SmolLM2 tokenizer and chat template in `out` (an HF model dir)."""
+    from transformers import AutoTokenizer
+
+    out = Path(out)
+    model = tiny_model(arch, **kw)
+    model.save_pretrained(str(out), safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
+    return out
+
+
+def tiny_llama(vocab=16, hidden=32, layers=4, seed=0, attn="sdpa", logit_scale=1.0):
+    """The decoding tests' random Llama (context-dependent, real attention and KV cache): HF's own
+    initialisation, lm_head scaled by logit_scale, 512 positions, frozen."""
+    return tiny_model("llama", vocab=vocab, hidden=hidden, layers=layers, max_positions=512, seed=seed, attn=attn,
+                      std=None, lm_head_scale=logit_scale, frozen=True)  # fmt: skip
+
+
+def random_draft(
+    target, draft_tokens=None, aux_layer_ids=(0, 1, 2), seed: int = 0, *, draft_vocab: int | None = None,
+    std: float | None = None, norm_range: tuple[float, float] | None = None, logit_scale: float = 1.0,
+    frozen: bool = True, **overrides,
+) -> Eagle3Draft:  # fmt: skip
+    """An untrained Eagle3Draft sized from `target`: a model (its input embedding is installed) or
+    an HF config (a zero embedding). `overrides` go to DraftConfig.from_target (num_layers,
+    intermediate_size, norm_before_residual, ...).
+
+    Draft vocabulary: the target ids `draft_tokens`; else `draft_vocab` ids drawn at random (numpy,
+    seeded by `seed`); else the whole vocabulary (W = V, d2t all zeros).
+    Weights: Eagle3Draft's own initialisation after torch.manual_seed(seed); then, in parameter
+    order, every matrix redrawn from N(0, std) when std is given, and every vector (the norm
+    weights) from U(norm_range) when that is given (not all ones: a swapped norm tensor shows);
+    the lm_head scaled by logit_scale. frozen: eval mode, no gradients.
+    """
+    torch.manual_seed(seed)
+    tcfg = getattr(target, "config", target)
+    v = tcfg.vocab_size
+    if draft_tokens is not None:
+        sel = np.sort(np.asarray(draft_tokens))
+    elif draft_vocab is not None:
+        sel = np.sort(np.random.default_rng(seed).choice(v, size=draft_vocab, replace=False))
+    else:
+        sel = np.arange(v)
+    cfg = DraftConfig.from_target(tcfg, draft_vocab_size=len(sel), aux_layer_ids=list(aux_layer_ids), **overrides)
+    embed = target.get_input_embeddings().weight if hasattr(target, "get_input_embeddings") else None
+    draft = Eagle3Draft(cfg, embed)
+    draft.set_vocab(*d2t_t2d(sel, v))
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() >= 2 and std is not None:
+                p.normal_(0, std)
+            elif p.dim() < 2 and norm_range is not None:
+                p.uniform_(*norm_range)
+        if logit_scale != 1.0:
+            draft.lm_head.weight.mul_(logit_scale)
+    return draft.eval().requires_grad_(False) if frozen else draft
+
+
+# --- a real target and a draft fitted to it -------------------------------------------------------
+
+
+def load_target(model_dir, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def greedy_sequences(target, prompts_ids: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    from eyas.spec.generate import target_generate
+
+    return [p + target_generate(target, torch.tensor(p), max_new_tokens=max_new_tokens).tokens for p in prompts_ids]
+
+
+def fitted_draft(
+    target, sequences: list[list[int]], aux_layer_ids=(2, 15, 27), draft_vocab: int = 512,
+    steps: int = 50, ttt_steps: int = 3, lr: float = 3e-3, seed: int = 0, intermediate_size: int = 512,
+    decoy_shifts: tuple[int, ...] = (-1, 1), num_layers: int = 1,
+) -> Eagle3Draft:  # fmt: skip
+    """Fit a draft to the target's greedy predictions on `sequences` (packed, 3-step TTT).
+
+    Its acceptance on exactly those sequences is well above 1 and depends on every part of the
+    draft (fc over the right aux layers, attention, norms, lm_head, d2t).
+    With decoy_shifts, step 0 is also taught to propose a decoy token (never a right answer) when
+    its aux states come from the layers `aux_layer_ids + shift`: served with an off-by-one layer
+    convention it then accepts almost nothing, so such a mistake shows as a collapse of tau instead
+    of the few-percent drop of an ordinary draft (adjacent residual streams are much alike).
+    """
+    from eyas.capture import capture
+    from eyas.ttt import sdpa_masks, ttt_forward
+
+    tcfg = target.config
+    ids = torch.tensor([t for s in sequences for t in s])[None]
+    doc = torch.tensor([i for i, s in enumerate(sequences) for _ in s])[None]
+    pos = torch.tensor([j for s in sequences for j in range(len(s))])[None]
+    sets = [list(aux_layer_ids)] + [[k + d for k in aux_layer_ids] for d in decoy_shifts]
+    union = sorted({k for ks in sets for k in ks})
+    aux, labels = [], []
+    for s in sequences:  # one plain forward per sequence: aux states and the teacher's argmax
+        x = torch.tensor(s)[None]
+        a, _ = capture(target, x, layer_ids=union)
+        aux.append(a[0])
+        labels.append(target(x).logits[0].argmax(-1))
+    aux_all = torch.cat(aux)[None].float()
+    aux_sets = [aux_all[:, :, [union.index(k) for k in ks]] for ks in sets]
+    aux_BSKD = aux_sets[0]
+    teacher_S = torch.cat(labels)
+    rng = np.random.default_rng(seed)
+    used = np.unique(teacher_S.numpy())
+    assert used.size <= draft_vocab, (used.size, draft_vocab)
+    rest = np.setdiff1d(np.arange(tcfg.vocab_size), used)
+    sel = np.sort(np.concatenate([used, rng.choice(rest, size=draft_vocab - used.size, replace=False)]))
+    d2t, t2d = d2t_t2d(sel, tcfg.vocab_size)
+    torch.manual_seed(seed)
+    cfg = DraftConfig.from_target(tcfg, draft_vocab_size=draft_vocab, aux_layer_ids=list(aux_layer_ids),
+                                  intermediate_size=intermediate_size, num_layers=num_layers)
+    draft = Eagle3Draft(cfg, target.get_input_embeddings().weight.float())
+    draft.set_vocab(d2t, t2d)
+    # step i at row t reads token t+1+i and predicts the target's argmax after it
+    n = ids.shape[1]
+    rows = torch.arange(n)
+    targets_T = []
+    for i in range(ttt_steps):
+        src = rows + 1 + i
+        ok = (src < n) & (doc[0, src.clamp(max=n - 1)] == doc[0])
+        lab = target_to_draft(teacher_S[src.clamp(max=n - 1)], t2d)
+        targets_T.append(torch.where(ok, lab, torch.full_like(lab, -100)))
+    decoy = torch.full_like(targets_T[0], int(np.flatnonzero(~np.isin(sel, used))[0]))
+    masks = sdpa_masks(doc, ttt_steps)
+    opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    for _ in range(steps):
+        outs = ttt_forward(draft, aux_BSKD, ids, pos, masks)
+        loss = sum(F.cross_entropy(draft.logits(o[0]).float(), t, ignore_index=-100) for o, t in zip(outs, targets_T))
+        for wrong in aux_sets[1:]:
+            (h,) = ttt_forward(draft, wrong, ids, pos, masks[:1])
+            loss = loss + F.cross_entropy(draft.logits(h[0]).float(), decoy)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return draft.eval().requires_grad_(False)

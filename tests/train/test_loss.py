@@ -1,0 +1,144 @@
+"""eyas.train.loss: the teacher, the soft / top-1 cross-entropy and the alignment mask on a
+hand-built example and against per-row loops; the compiled kernel against eager."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from eyas.train.loss import acceptance_length, step_terms, teacher_targets, weighted_loss
+
+
+def test_loss_on_a_hand_built_example():
+    # V = 6 target tokens, draft vocab = target ids [1, 3, 4]; final rows are one-hot, so the
+    # target's logits of row j are column j of the LM head.
+    logits_VN = torch.tensor([[0, 3, 0], [2, 0, 0], [1, 0, 0], [1, 1, 1], [0.5, 2, 4], [-1, 0, 0]], dtype=torch.float64)
+    t2d = torch.tensor([False, True, False, True, True, False])
+    from eyas.vocab import target_to_draft
+
+    p, top1 = teacher_targets(torch.eye(3, dtype=torch.float64), logits_VN, torch.tensor([1, 3, 4]),
+                              target_to_draft(torch.arange(6), t2d), chunk=2)
+    assert top1.tolist() == [0, -1, 2]  # row 1's top-1 is target token 0: outside the draft vocab
+
+    def softmax(z):
+        e = [math.exp(x) for x in z]
+        return [x / sum(e) for x in e]
+
+    teacher = [softmax([2, 1, 0.5]), softmax([0, 1, 2]), softmax([0, 1, 4])]
+    torch.testing.assert_close(p, torch.tensor(teacher, dtype=torch.float32))
+
+    def ce(z, q):  # -sum_w q_w log softmax(z)_w
+        lse = math.log(sum(math.exp(x) for x in z))
+        return -sum(qi * (zi - lse) for zi, qi in zip(z, q))
+
+    z0 = [[1.0, 0, 0], [0, 0, 1.0], [0, 0, 3.0]]  # step 0 drafts rows 0, 1, 2
+    z1 = [[0, 2.0, 0]]  # step 1 drafts row 2 only
+    rows = [torch.tensor([0, 1, 2]), torch.tensor([2])]  # the flat rows, here equal to their teacher rows
+    loss_sum, correct, valid, reached, chain, _ = step_terms([torch.tensor(z0), torch.tensor(z1)], p, top1, rows, rows, 3)
+    want0 = ce(z0[0], teacher[0]) + ce(z0[2], teacher[2])  # row 1 is not valid
+    want1 = ce(z1[0], teacher[2])
+    torch.testing.assert_close(loss_sum, torch.tensor([want0, want1]))
+    assert correct.tolist() == [2, 0] and valid.tolist() == [2, 1]
+    assert chain.tolist() == [2, 0]  # rows 0 and 2 accepted at step 0; row 2's step 1 drafts 1, not 2
+    assert reached.tolist() == [3, 1]  # every row reaches step 0; of rows 0 and 2, only row 2 has a step 1
+    loss = weighted_loss(loss_sum, torch.tensor([4, 1]), torch.tensor([1.0, 0.8]))
+    assert loss.item() == pytest.approx(want0 / 4 + 0.8 * want1, rel=1e-6)
+
+    # train.top1_weight w: (1 - w) x the soft cross-entropy + w x -log softmax(z)[teacher top-1]
+    def nll(z, k):
+        return math.log(sum(math.exp(x) for x in z)) - z[k]
+
+    for w in (0.25, 1.0):
+        l0, l1 = torch.tensor(z0, requires_grad=True), torch.tensor(z1, requires_grad=True)
+        mixed, correct, valid, _, _, _ = step_terms([l0, l1], p, top1, rows, rows, 3, top1_weight=w)
+        hard0 = nll(z0[0], 0) + nll(z0[2], 2)  # top-1 draft ids of rows 0 and 2; row 1 still not valid
+        hard1 = nll(z1[0], 2)
+        torch.testing.assert_close(mixed.detach(), torch.tensor([(1 - w) * want0 + w * hard0, (1 - w) * want1 + w * hard1]))
+        assert correct.tolist() == [2, 0] and valid.tolist() == [2, 1]
+        # d/dz of each valid row: (1 - w)(softmax(z) - teacher) + w(softmax(z) - onehot(top-1)); row 1: 0
+        mixed.sum().backward()
+        def grad(z, row, k):
+            q = torch.tensor(softmax(z))
+            return (1 - w) * (q - torch.tensor(teacher[row])) + w * (q - torch.eye(3)[k])
+
+        torch.testing.assert_close(l0.grad, torch.stack([grad(z0[0], 0, 0), torch.zeros(3), grad(z0[2], 2, 2)]))
+        torch.testing.assert_close(l1.grad, grad(z1[0], 2, 2)[None])
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_chain_counts_and_align_mask_match_a_per_row_loop(k):
+    # Random steps over 40 flat rows, each step training its own subset (rows drop in and out as
+    # loss masks do), draft logits near the teacher so that about half the top-1s agree.
+    g = torch.Generator().manual_seed(k)
+    num_rows, num_teacher, w, steps = 40, 30, 6, 4
+    p = torch.softmax(torch.randn(num_teacher, w, generator=g) * 2, -1)
+    top1 = p.argmax(-1)
+    top1[torch.randperm(num_teacher, generator=g)[:4]] = -1  # outside the draft vocab
+    rows_T = [torch.randperm(num_rows, generator=g)[:30].sort().values for _ in range(steps)]
+    tix_T = [torch.randint(num_teacher, (30,), generator=g) for _ in range(steps)]
+    logits_T = [p[t].log() + torch.randn(30, w, generator=g) for t in tix_T]
+    loss, correct, valid, reached, chain, kept = step_terms(logits_T, p, top1, tix_T, rows_T, num_rows, align_top_k=k)
+
+    def at(i, r):  # -> (logits, teacher row) of flat row r at step i, or None if step i skips it
+        hits = (rows_T[i] == r).nonzero()
+        return (logits_T[i][hits[0, 0]], int(tix_T[i][hits[0, 0]])) if len(hits) else None
+
+    def agrees(i, r, top_k):
+        got = at(i, r)
+        return got is not None and int(top1[got[1]]) >= 0 and int(top1[got[1]]) in got[0].topk(top_k).indices.tolist()
+
+    for i in range(steps):
+        want_loss, want_chain, want_reached, want_kept = 0.0, 0, 0, 0
+        for r in rows_T[i].tolist():
+            z, t = at(i, r)
+            trained = int(top1[t]) >= 0 and (k == 0 or all(agrees(j, r, k) for j in range(i)))
+            if trained:
+                want_loss += float(-(p[t] * torch.log_softmax(z, -1)).sum())
+                want_kept += 1
+            want_reached += all(agrees(j, r, 1) for j in range(i))
+            want_chain += all(agrees(j, r, 1) for j in range(i + 1))
+        assert loss[i].item() == pytest.approx(want_loss, rel=1e-5)
+        assert int(chain[i]) == want_chain and int(reached[i]) == want_reached and int(kept[i]) == want_kept
+    assert 0 < int(chain[-1]) < int(chain[0]) == int(correct[0]) < len(rows_T[0])  # both branches run
+    assert any(int(reached[i]) < int(chain[i - 1]) for i in range(1, steps))  # alive rows with no next step
+    assert valid.tolist() == [int((top1[t] >= 0).sum()) for t in tix_T]
+    assert (kept == valid).all() if k == 0 else (kept[1:] < valid[1:]).all()
+
+
+@pytest.mark.parametrize("top1_weight,k,dtype", [(0.0, 0, torch.float32), (0.5, 3, torch.bfloat16), (1.0, 1, torch.float32)])
+def test_compiled_loss_kernel_equals_eager(top1_weight, k, dtype):
+    """train.loss_kernel=compiled (row_terms under torch.compile, dynamic row counts) gives the eager
+    loss sums, counts and logits gradients, on steps of different row counts and with bf16 logits
+    (read in float32 either way), for the soft, mixed and top-1 losses and the align mask."""
+    g = torch.Generator().manual_seed(7)
+    num_rows, num_teacher, w = 50, 40, 300
+    p = torch.softmax(torch.randn(num_teacher, w, generator=g) * 3, -1)
+    top1 = p.argmax(-1)
+    top1[torch.randperm(num_teacher, generator=g)[:5]] = -1
+    sizes = [37, 29, 41, 33]  # a new row count per step: compiled once with dynamic shapes
+    rows_T = [torch.randperm(num_rows, generator=g)[:m].sort().values for m in sizes]
+    tix_T = [torch.randint(num_teacher, (m,), generator=g) for m in sizes]
+    base_T = [(p[t].log() + torch.randn(len(t), w, generator=g)).to(dtype) for t in tix_T]
+    out, grads = {}, {}
+    for compiled in (False, True):
+        logits_T = [z.clone().requires_grad_() for z in base_T]
+        terms = step_terms(logits_T, p, top1, tix_T, rows_T, num_rows, top1_weight, k, compiled)
+        (terms[0] * torch.tensor([1.0, 0.8, 0.64, 0.512])).sum().backward()
+        out[compiled], grads[compiled] = terms, [z.grad for z in logits_T]
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-5, atol=1e-4)
+    assert out[False][0].min() > 1  # every step trains rows
+    for a, b in zip(out[True][1:], out[False][1:]):
+        assert torch.equal(a, b)
+    assert 0 < int(out[True][4][-1]) < int(out[True][1][0])  # chains both survive and die
+    for a, b in zip(grads[True], grads[False]):
+        assert a.dtype == dtype and a.abs().sum() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6) if dtype == torch.float32 else \
+            torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-4)
+
+
+def test_acceptance_length():
+    assert acceptance_length([0.8, 0.5, 0.25]) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+    assert acceptance_length([0.0, 1.0]) == 1.0
+    assert acceptance_length([1.0] * 7) == 8.0
