@@ -6,6 +6,8 @@
   larger weights make the layers matter). Other tests pick other sizes and initialisations.
 * `save_tiny`: `tiny_model` + the real SmolLM2 tokenizer and chat template as an HF model directory,
   so `eyas prepare`, `eyas extract`, `eyas train` ... run on it like on any local model.
+* `save_deepseek_v3`: a DeepSeek-V3 with the real MLA head sizes and YaRN as DeepSeek ships it,
+  everything else tiny, its config.json in DeepSeek's own form.
 * `tiny_llama`: the spec/evaluate tests' target: a Llama with HF's own initialisation, frozen.
 * `random_draft`: a real, untrained Eagle3Draft sized from a target (a model or an HF config).
 * `load_target`, `greedy_sequences`, `fitted_draft`: a real target, its greedy continuations, and a
@@ -112,6 +114,51 @@ def save_tiny(arch: str, out: str | Path, tokenizer_dir: str | Path, **kw) -> Pa
     model = tiny_model(arch, **kw)
     model.save_pretrained(str(out), safe_serialization=True)
     AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
+    return out
+
+
+DEEPSEEK_V3_YARN = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                    "original_max_position_embeddings": 4096, "type": "yarn"}
+"""YaRN as DeepSeek-V3's config.json ships it."""
+
+
+def save_deepseek_v3(out: str | Path, tokenizer_dir: str | Path, q_lora_rank: int | None = None, yarn: bool = True,
+                     seed: int = 0) -> Path:
+    """A DeepSeek-V3 with the real MLA head sizes (kv_lora_rank 512, qk_rope 64, qk_nope 128, v 128:
+    vLLM's CPU MLA kernel takes only a 576-wide latent) and everything else tiny (hidden 256, 2
+    heads, 4 layers, the first dense, 4 routed experts + 1 shared, 2 per token), random weights
+    (non-embedding matrices N(0, 0.08), the routers' correction bias N(0, 0.1)), saved with the
+    SmolLM2 tokenizer. config.json is written in DeepSeek's own form: topk_method noaux_tc,
+    scoring_func sigmoid, rope_theta and rope_scaling (YaRN as DeepSeek ships it when `yarn`)."""
+    import json
+
+    import transformers as tf
+
+    out = Path(out)
+    torch.manual_seed(seed)
+    cfg = tf.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=q_lora_rank, kv_lora_rank=512,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, tie_word_embeddings=False,
+        max_position_embeddings=163840 if yarn else 4096,
+        rope_scaling=dict(DEEPSEEK_V3_YARN) if yarn else None,
+    )  # fmt: skip
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "e_score_correction_bias" in name:
+                p.normal_(0, 0.1)
+            elif p.dim() >= 2 and "embed" not in name:
+                p.normal_(0, 0.08)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tf.AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
+    config = json.loads((out / "config.json").read_text())
+    rope = config.pop("rope_parameters", None) or {}
+    config["rope_theta"] = rope.get("rope_theta", 10000.0)
+    config["rope_scaling"] = dict(DEEPSEEK_V3_YARN) if yarn else None
+    config.update(topk_method="noaux_tc", scoring_func="sigmoid")
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 

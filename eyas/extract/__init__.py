@@ -128,6 +128,7 @@ def preflight(cfg: EyasConfig, device: torch.device, world_size: int, rank: int 
     longest = int(prepared.lengths.max())
     if ec.backend == "vllm":
         vllm_backend.max_model_len(ec, longest)  # ConfigError when too short, before any engine starts
+        vllm_backend.check_supported(ec, conf.model_type, layer_ids, cpu=vllm_backend.on_cpu())
         vllm_backend.check_reference_memory(cfg)
     if longest > ec.token_budget:
         raise ConfigError(f"the longest sample has {longest} tokens, more than extract.token_budget={ec.token_budget}: "

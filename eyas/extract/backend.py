@@ -5,6 +5,7 @@ The interface the rest of the stage relies on (eyas/extract/vllm_backend.py impl
     backend.layer_ids, backend.hidden_size, backend.num_layers, backend.dtype
     backend.forward(batch, tokens, timer=NULL_TIMER) -> states_TKD   # any device, backend.dtype; T = batch.num_tokens
     backend.references([tokens_S, ...], float32=False) -> [states_SKD, ...]  # plain batch-1 forwards, the parity reference
+    backend.parity_hint                                     # what a parity failure points the user to
 
 `states_TKD` holds the batch's samples back to back in `batch.indices` order; its K+1 layer entries
 are the aux states in `layer_ids` order, then the final-norm state. The writer, index and resume
@@ -51,6 +52,8 @@ class HFBackend:
     """transformers forward with capture hooks; the LM head is skipped (no V-wide logits)."""
 
     name = "hf"
+    parity_hint = ("States would be stored for the wrong sample, mask or positions. Try --extract.pack=false or "
+                   "another --extract.attn_implementation")
 
     def __init__(self, model: nn.Module, layer_ids: list[int], dtype: torch.dtype, compile: bool = False,
                  compile_backend: str = "inductor"):
@@ -235,8 +238,7 @@ def check_parity(backend, checks: list[tuple[str, torch.Tensor, torch.Tensor]], 
         raise ParityError(
             f"sample {sample}: {names[worst]} differs from a plain batch-1 forward by a relative error of "
             f"{per_layer[worst]:.4g} (max abs error {abs_err:.4g}, first at token {tok}) > tolerance {tol:g} "
-            f"(extract.parity_tol), and not by rounding: {why}. States would be stored for the wrong sample, "
-            "mask or positions. Try --extract.pack=false or another --extract.attn_implementation"
+            f"(extract.parity_tol), and not by rounding: {why}. {backend.parity_hint}"
         ) from cause
     return result
 

