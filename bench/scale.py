@@ -691,7 +691,7 @@ def flops_per_token(overrides: list[str], draft_config: Path, world: int, on_gpu
     same packing, split and padding as the stage: eyas.train.data is a pure function of the seed)."""
     from eyas.draft import DraftConfig
     from eyas.prepared import Prepared
-    from eyas.train.build import flex_row_length, resolve_attention
+    from eyas.ttt import flex_row_length, resolve_attention
     from eyas.train.data import epoch_batches, pack, split_indices
 
     cfg = load_config(None, overrides)

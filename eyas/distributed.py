@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,19 @@ def all_reduce_max(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())  # .item(): a sync point, called once per run
+
+
+def host_group(timeout: timedelta):
+    """A gloo process group over every rank beside the stages' own (NCCL on GPUs): messages on it
+    hold no GPU collective, so a rank can wait on it while another one works alone."""
+    return dist.new_group(backend="gloo", timeout=timeout)
+
+
+def broadcast_object(obj: Any, group) -> Any:
+    """Rank 0's `obj` (any picklable object) on every rank of `group`; the others pass None."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:

@@ -488,12 +488,12 @@ def find(directory: str | Path) -> DraftFiles | None:
     return None
 
 
-def locate(directory: str | Path, what: str = "the draft") -> DraftFiles:
-    """`find`, or an ArtifactError that says what a draft directory holds; `what` names the flag."""
+def locate(directory: str | Path, what: str = "the draft", error: type[Exception] = ArtifactError) -> DraftFiles:
+    """`find`, or an `error` that says what a draft directory holds; `what` names the flag."""
     files = find(directory)
     if files is None:
-        state = "no such directory" if not Path(directory).is_dir() else "no draft in it"
-        raise ArtifactError(
+        state = "no such directory" if not Path(directory).is_dir() else "not a draft directory"
+        raise error(
             f"{what}={str(directory)!r}: {state} (an eyas checkpoint holds {DRAFT_CONFIG} + {DRAFT_WEIGHTS}, as "
             f"train's final/; an export holds {CONFIG} + {WEIGHTS}, as `eyas export`'s speculators/ and sglang/)"
         )

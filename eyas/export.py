@@ -27,8 +27,7 @@ from safetensors.torch import load_file
 
 from eyas.artifacts import read_meta, write_meta
 from eyas.draft import DraftConfig, Eagle3Draft
-from eyas.draft_files import (DRAFT_CONFIG, DRAFT_WEIGHTS, export_draft, load_draft, locate, open_draft, sglang_aux_ids,
-                              vllm_aux_ids)
+from eyas.draft_files import DRAFT_CONFIG, export_draft, find, load_draft, locate, open_draft, sglang_aux_ids, vllm_aux_ids
 from eyas.errors import ArtifactError
 
 
@@ -139,15 +138,14 @@ def check_against_stages(
 
 def checkpoint_dir(train_dir: Path, checkpoint: str) -> Path:
     """TRAIN_DIR/<checkpoint>, or TRAIN_DIR itself when it is a draft checkpoint."""
-    if (train_dir / DRAFT_CONFIG).is_file() and (train_dir / DRAFT_WEIGHTS).is_file():
-        return train_dir
-    ckpt = train_dir / checkpoint
-    if not (ckpt / DRAFT_CONFIG).is_file():
-        raise ArtifactError(
-            f"{ckpt} holds no draft checkpoint ({DRAFT_CONFIG}): run `eyas train` first, or pass "
-            "--export.checkpoint=<subdirectory> / a checkpoint directory as TRAIN_DIR"
-        )
-    return ckpt
+    for d in (train_dir, train_dir / checkpoint):
+        files = find(d)
+        if files is not None and files.kind == "checkpoint":
+            return d
+    raise ArtifactError(
+        f"{train_dir / checkpoint} holds no draft checkpoint ({DRAFT_CONFIG}): run `eyas train` first, or pass "
+        "--export.checkpoint=<subdirectory> / a checkpoint directory as TRAIN_DIR"
+    )
 
 
 def train_meta_for(train_dir: Path, ckpt: Path) -> dict[str, Any] | None:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas import artifacts
-from eyas.config import STAGES, EyasConfig, to_dict
+from eyas.config import RESUMABLE, STAGES, EyasConfig, to_dict
 from eyas.errors import ArtifactError, ConfigError, EyasError, describe_exception
 
 # The config sections whose values define each stage's output (besides the stage before it).
@@ -65,7 +65,6 @@ BUDGET_KEYS = {
     "train": ("max_seconds", "stop_by", "resume", "num_workers", "tensorboard", "keep_checkpoints", "loss_kernel",
               "target_group_tokens"),
 }
-RESUMABLE = ("regenerate", "train")  # a partial output of these is continued by the next run
 ALL_RANKS = ("extract", "train")  # under torchrun every rank runs these; the others run on rank 0 alone
 
 
@@ -98,10 +97,13 @@ def run_keys(configs: dict[str, EyasConfig], stages: list[str]) -> dict[str, str
         for name, budget in BUDGET_KEYS.items():
             if name in sections:
                 sections[name] = {k: v for k, v in sections[name].items() if k not in budget}
-        keys[s] = prev = artifacts.hash_json({"stage": s, "sections": sections, "previous": prev})
+        keys[s] = prev = f"{KEY_SCHEME}:" + artifacts.hash_json({"stage": s, "sections": sections, "previous": prev})
     return keys
 
 
+KEY_SCHEME = "v2"
+"""Run keys carry the scheme they were made by; a stage directory whose key is of another scheme
+(an earlier eyas) is never removed as "made with other settings": it may hold a training."""
 MARKER = "run_key.txt"
 INPUTS_CHANGED = "its inputs changed: an earlier stage ran again"
 
@@ -111,14 +113,19 @@ def claim_stage_dir(stage: str, out: Path, key: str, fresh: bool = False,
     """Make `out` ready for a run of `stage` with `key`; True when an interrupted or partial run
     with the same key is there to resume. A complete or partial output made by `eyas run` with
     other settings, or (`fresh`) from inputs that have changed since, is removed; a non-empty
-    directory `eyas run` did not make is never touched."""
+    directory `eyas run` did not make, or made with another KEY_SCHEME, is never touched."""
     marker = out / MARKER
     if out.exists() and any(out.iterdir()):
         if not marker.is_file():
             raise EyasError(
                 f"{out} is not empty and was not made by `eyas run`: remove it or point --{stage}.out_dir elsewhere"
             )
-        same = marker.read_text().strip() == key
+        stored = marker.read_text().strip()
+        if not stored.startswith(f"{KEY_SCHEME}:"):
+            raise EyasError(f"{out} was made by an earlier eyas, whose run keys this one cannot compare: nothing is "
+                            f"removed; delete it yourself to run {stage} again there, or point --{stage}.out_dir (or "
+                            "--run_dir) elsewhere")
+        same = stored == key
         if same and not fresh:
             return True
         why = why_fresh if same else "made with other settings"
@@ -232,17 +239,15 @@ def _main_ranks(cfg: EyasConfig) -> dict[str, Any]:
     holds no GPU collective while rank 0 prepares or evaluates. A rank that fails exits non-zero
     and torchrun stops the others; rank 0 stopping with an error between those stages tells the
     others (they exit non-zero too, saying so). Rank r > 0 writes what it prints to RUN_DIR/run.rank{r}.log."""
-    import torch.distributed as dist
-
     from eyas import distributed
 
     _, rank, _, world_size, _ = distributed.compute_init()
     try:
         distributed.hold_group()
-        control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+        control = distributed.host_group(CONTROL_TIMEOUT)
 
         def send(msg) -> None:
-            dist.broadcast_object_list([msg], src=0, group=control)
+            distributed.broadcast_object(msg, control)
 
         if rank != 0:
             return _follow(cfg, rank, control)
@@ -279,19 +284,18 @@ def _main_ranks(cfg: EyasConfig) -> dict[str, Any]:
 
 def _follow(cfg: EyasConfig, rank: int, control) -> dict[str, Any]:
     """Rank r > 0 under torchrun: run the stages rank 0 sends until it says the run ended."""
-    import torch.distributed as dist
+    from eyas import distributed
 
     run_dir = Path(cfg.run_dir)
     with teed(run_dir / f"run.rank{rank}.log"):
         while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0, group=control)
-            if box[0] == STOP:
+            msg = distributed.broadcast_object(None, control)
+            if msg == STOP:
                 return {}
-            if box[0] == FAILED:
+            if msg == FAILED:
                 raise EyasError(f"rank {rank}: rank 0's run stopped with an error after the last stage the ranks "
                                 f"ran together (its error is in rank 0's output and in {run_dir / 'run.log'})")
-            stage, stage_cfg = box[0]
+            stage, stage_cfg = msg
             print(f"[eyas:run] rank {rank}: {stage}", flush=True)
             run_stage(stage, stage_cfg)
 

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from eyas.draft import Eagle3Draft
+from eyas.errors import ConfigError
 
 
 def shift_left(x_BS: torch.Tensor, k: int, fill) -> torch.Tensor:
@@ -170,3 +171,21 @@ def naive_ttt(
             k_cache, v_cache = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)
             out_TSD[i, t] = h[0, 0]
     return out_TSD
+
+
+def resolve_attention(kind: str, device: torch.device) -> str:
+    """auto -> flex on CUDA (block-sparse, every micro-batch padded to one fixed length so the
+    kernels compile once), sdpa on CPU (FlexAttention needs a GPU here)."""
+    if kind == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if kind == "flex" and device.type != "cuda":
+        raise ConfigError("--train.attention=flex needs a CUDA device; use sdpa (or auto) on CPU")
+    return kind
+
+
+def flex_row_length(max_tokens: int) -> int:
+    """The one row length of every micro-batch under flex attention: max_tokens rounded up to a
+    multiple of 128 (FlexAttention's block). A fixed shape compiles the TTT kernels once; rows of
+    varying length recompiled them for every new length (on one H200 the first step of a SmolLM2
+    draft on packed ShareGPT rows had not finished after 200 s)."""
+    return -(-max_tokens // 128) * 128

@@ -1,4 +1,4 @@
-"""Session fixtures for every test. The tests mirror the package (tests/train/test_loop.py checks
+"""Suite-wide fixtures for every test. The tests mirror the package (tests/train/test_loop.py checks
 eyas/train/loop.py); tiny models and drafts are built in tests/models.py, chat data and prepare runs
 in tests/data.py; a directory's own fixtures are in its conftest.py, its shared helpers in its runs.py."""
 

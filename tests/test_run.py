@@ -51,7 +51,7 @@ def test_run_end_to_end_then_skips(tmp_path, smollm2_dir, capsys):
     y = recipe(tmp_path, target)
     run = tmp_path / "run"
     everything = ["regenerate", "prepare", "extract", "train", "export", "evaluate"]
-    assert cli(["run", str(y), "--stop_after=prepare"]) == 0  # a slot of machine time ends here
+    assert cli(["run", str(y), "--stop_after=prepare"]) == 0  # a job with a time limit ends here
     out = capsys.readouterr().out
     assert stages_line(out) == {"regenerate": "ran", "prepare": "ran"} and "stop_after=prepare" in out
     assert not (run / "extract").exists() and not (run / "summary.json").exists()
@@ -395,6 +395,27 @@ def test_inputs_inside_the_stage_directories_a_run_replaces_are_refused(tmp_path
     with pytest.raises(ConfigError, match="inside this run's evaluate directory"):  # the same for stored outputs
         run(load_config(str(y), ["--evaluate.mode=simulate", f"--evaluate.target_outputs={tmp_path / 'run' / 'evaluate'}"]))
     assert not (tmp_path / "run" / "regenerate").exists()
+
+
+def test_a_stage_directory_of_another_key_scheme_is_never_removed(tmp_path):
+    """A stage directory whose run key an earlier eyas wrote (a bare hash: its keys hashed other
+    sections) is refused, not removed as "made with other settings": it may hold a training's
+    checkpoints. One of this scheme with other settings is removed; one with the same key resumes."""
+    from eyas.errors import EyasError
+    from eyas.run import KEY_SCHEME, MARKER, claim_stage_dir
+
+    old = tmp_path / "train"
+    (old / "checkpoints").mkdir(parents=True)
+    (old / MARKER).write_text("0" * 64)
+    with pytest.raises(EyasError, match="made by an earlier eyas.*nothing is removed.*--train.out_dir"):
+        claim_stage_dir("train", old, f"{KEY_SCHEME}:abc")
+    assert (old / "checkpoints").is_dir()
+    (old / MARKER).write_text(f"{KEY_SCHEME}:other")
+    assert claim_stage_dir("train", old, f"{KEY_SCHEME}:abc") is False
+    assert not (old / "checkpoints").exists() and (old / MARKER).read_text() == f"{KEY_SCHEME}:abc"
+    (old / "partial").write_text("x")
+    assert claim_stage_dir("train", old, f"{KEY_SCHEME}:abc") is True  # the same key: resumed, kept
+    assert (old / "partial").is_file()
 
 
 def test_a_draft_to_start_from_of_another_vocabulary_is_refused_before_extract(tmp_path, smollm2_dir, capsys):

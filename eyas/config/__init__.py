@@ -27,6 +27,8 @@ from eyas.config.train import TrainConfig
 
 STAGES = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
 """The stages in run order; stage S is the module eyas.S with `main(cfg)` and the config section S."""
+RESUMABLE = ("regenerate", "train")
+"""Stages a time budget can stop early; `eyas run` continues them (or takes them as they are: accept_partial)."""
 
 
 @dataclass
@@ -65,7 +67,7 @@ class EyasConfig:
         require(bool(self.run_dir), "run_dir is empty")
         require(self.stop_after in ("",) + STAGES, f"stop_after={self.stop_after!r}: choose one of {', '.join(STAGES)}")
         for name in self.accept_partial_stages():
-            require(name in ("regenerate", "train"), f"accept_partial: {name!r} is not regenerate or train")
+            require(name in RESUMABLE, f"accept_partial: {name!r} is not one of {', '.join(RESUMABLE)}")
         # checked here, before any stage runs: the export stage would refuse it only after training
         require(
             self.train.num_layers == 1 or "sglang" not in self.export.formats,
@@ -111,6 +113,7 @@ def describe(cls: type = EyasConfig, prefix: str = "") -> list[str]:
 
 __all__ = [
     "STAGES",
+    "RESUMABLE",
     "EyasConfig",
     "TargetConfig",
     "PrepareConfig",

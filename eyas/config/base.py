@@ -43,6 +43,10 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+RENAMED = {"train.layer_ids": "extract.layer_ids (one key for the aux layers of extraction and online training)"}
+"""Keys that moved: an override of the old name is refused naming the new one."""
+
+
 def _closest(name: str, options: list[str], prefix: str = "") -> str:
     match = difflib.get_close_matches(name, options, n=1, cutoff=0.0)
     return f"; did you mean '{prefix + '.' if prefix else ''}{match[0]}'?" if match else ""
@@ -130,6 +134,8 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     for key, value in data.items():
         where = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
+            if where in RENAMED:
+                raise ConfigError(f"config key '{where}' is now {RENAMED[where]}")
             raise ConfigError(f"unknown config key '{where}'{_closest(str(key), names, prefix)}")
         kwargs[key] = _coerce(value, hints[key], where)
     try:

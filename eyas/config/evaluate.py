@@ -13,8 +13,9 @@ DTYPES = ("", "auto", "bfloat16", "float16", "float32")
 class EvaluateConfig:
     draft: str = ""
     """The draft to evaluate: eyas's own checkpoint (a directory with draft_config.json, as the
-    trainer writes) or an exported vLLM/SGLang directory; empty = RUN_DIR/train/final, or the export
-    output when export.average_with is set (the exported draft is then the mean, not train's)."""
+    trainer writes) or an exported vLLM/SGLang directory; empty = the train stage's final/ (in
+    train.out_dir, else RUN_DIR/train), or the export output when export.average_with is set (the
+    exported draft is then the mean, not train's)."""
     bench: str = "mtbench"
     """Prompts: `mtbench` (the 80 MT-bench questions, 2 turns each; the second turn follows the
     model's own first answer) or a JSONL file with one {"turns": [...]}, {"prompt": "..."} or

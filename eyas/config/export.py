@@ -37,7 +37,7 @@ class ExportConfig:
     """Drafts (either exported layout, an export root or an eyas checkpoint) to average the trained
     draft with: every tensor the mean over all of them, lm_head rows matched by target token
     (eyas/average.py). Same architecture required; the draft vocabulary may differ. Empty = none.
-    When set, evaluate's default draft is this export, not RUN_DIR/train/final."""
+    When set, evaluate's default draft is this export, not the train stage's final/."""
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/export."""
 

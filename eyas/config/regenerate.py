@@ -11,7 +11,8 @@ BACKENDS = ("hf", "server")
 class RegenerateConfig:
     enabled: bool = False
     """In `eyas run`: regenerate the assistant answers with the target before prepare (prepare then
-    reads RUN_DIR/regenerate/conversations.jsonl). `eyas regenerate` always runs."""
+    reads the regenerate stage's conversations.jsonl: in regenerate.out_dir, else RUN_DIR/regenerate).
+    `eyas regenerate` always runs."""
     backend: str = "hf"
     """hf: in-process transformers `generate` (batched, KV cache); server: any OpenAI-compatible
     `/v1/chat/completions` endpoint (vllm serve, SGLang) at `server_url`."""

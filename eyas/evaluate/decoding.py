@@ -174,7 +174,7 @@ def decode_questions(
             runs[m] += run_conversations(gen, s.tok, [q], s.device, s.stop_ids)
         longest, done = max(longest, time.perf_counter() - tq), done + 1
         if time.perf_counter() - shown >= PROGRESS_EVERY_S:
-            # a call killed from outside (a lease's limit) still shows how far it got and where τ stood
+            # a run killed from outside (a job time limit) still shows how far it got and where τ stood
             print(progress_line(runs, done, len(questions), time.perf_counter() - t0), flush=True)
             shown, shown_done = time.perf_counter(), done
     if shown_done != done:  # the last question, or where the budget stopped

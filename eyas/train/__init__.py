@@ -54,6 +54,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
     from eyas.errors import ConfigError
     from eyas.target import describe_target
     from eyas.train import build, checkpoint, init_from
+    from eyas.ttt import flex_row_length
     from eyas.train.data import batch_loader, epoch_batches
     from eyas.train.loop import Schedule, fit, record_failure
 
@@ -82,7 +83,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
         train_idx, eval_idx = build.splits(cfg, data, rank)
         sched = Schedule(tc, train_idx, data.lengths, cfg.seed, rank, world_size)
         tr, dcfg = build.build_trainer(cfg, data, device, rank, world_size, sched.total, init=resume is None)
-        pad = tc.pad_multiple or (build.flex_row_length(tc.max_tokens) if tr.attention == "flex" else 0)
+        pad = tc.pad_multiple or (flex_row_length(tc.max_tokens) if tr.attention == "flex" else 0)
         workers = tc.num_workers if tc.num_workers >= 0 else (2 if device.type == "cuda" else 0)
         eval_plans = epoch_batches(eval_idx, data.lengths, tc.max_tokens, cfg.seed, 0, rank, world_size, shuffle=False)
         eval_fn = (lambda: batch_loader(data.source, eval_plans, tc.ttt_steps, tc.max_tokens, pad, workers,

@@ -21,7 +21,7 @@ from eyas.train.data import OnlineStates, split_groups, split_indices
 from eyas.train.loop import Teacher, Trainer, lr_lambda
 from eyas.train.init_from import init_weights
 from eyas.train.parallel import parallelize
-from eyas.ttt import TTTDraft
+from eyas.ttt import TTTDraft, resolve_attention
 
 DEVICE_MAPS = ("auto", "balanced", "sequential")
 
@@ -154,24 +154,6 @@ def verify_shards(source, rank: int, world_size: int, device: torch.device) -> N
     if rank == 0:
         print(f"[eyas:train] checked the sha256 of {len(mine)} of {len(source.shards)} extract shards on this rank "
               f"({nbytes / 1e9:.2f} GB) in {time.perf_counter() - t0:.1f} s", flush=True)
-
-
-def resolve_attention(kind: str, device: torch.device) -> str:
-    """auto -> flex on CUDA (block-sparse, every micro-batch padded to one fixed length so the
-    kernels compile once), sdpa on CPU (FlexAttention needs a GPU here)."""
-    if kind == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
-    if kind == "flex" and device.type != "cuda":
-        raise ConfigError("--train.attention=flex needs a CUDA device; use sdpa (or auto) on CPU")
-    return kind
-
-
-def flex_row_length(max_tokens: int) -> int:
-    """The one row length of every micro-batch under flex attention: max_tokens rounded up to a
-    multiple of 128 (FlexAttention's block). A fixed shape compiles the TTT kernels once; rows of
-    varying length recompiled them for every new length (on one H200 the first step of a SmolLM2
-    draft on packed ShareGPT rows had not finished after 200 s)."""
-    return -(-max_tokens // 128) * 128
 
 
 def build_trainer(

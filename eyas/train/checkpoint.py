@@ -31,6 +31,9 @@ from eyas.artifacts import fsync_dir
 
 STEP_RE = re.compile(r"^step_(\d{7,})$")
 TRAINER_STATE = "trainer.pt"
+TRAINER_FIELDS = ("step", "epoch", "window", "world_size", "total_steps", "train_split", "all_runs", "init_from",
+                  "optimizer", "scheduler", "rng")
+"""What `load` needs from trainer.pt (train.loop.save writes them)."""
 
 
 def _options(cpu: bool = True):
@@ -138,6 +141,10 @@ def load(path: Path, model: nn.Module, optimizer, scheduler) -> dict[str, Any]:
         msd = load_file(str(path / "draft.safetensors"))
     except (OSError, RuntimeError) as e:
         raise ArtifactError(f"checkpoint {path} is unreadable ({e}); remove it to resume from the previous one") from e
+    missing = [k for k in TRAINER_FIELDS if k not in state]
+    if missing:
+        raise ArtifactError(f"checkpoint {path} lacks {missing} (an earlier eyas wrote it): it cannot be resumed; start "
+                            "a new run from its weights with --train.init_from=" + str(path))
     set_model_state_dict(model, {f"draft.{k}": v for k, v in msd.items()}, options=_options(cpu=False))
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_options(cpu=False))
     scheduler.load_state_dict(state["scheduler"])

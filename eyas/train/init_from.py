@@ -15,18 +15,14 @@ import torch
 
 from eyas.config import TrainConfig
 from eyas.draft import SHAPE_FIELDS, Eagle3Draft
-from eyas.draft_files import CONFIG, DRAFT_CONFIG, DRAFT_WEIGHTS, WEIGHTS, DraftFiles, find, open_draft, read_config, read_vocab
+from eyas.draft_files import DraftFiles, locate, open_draft, read_config, read_vocab
 from eyas.errors import ArtifactError, ConfigError
 from eyas.vocab import remap_head
 
 
 def init_files(path: str) -> DraftFiles:
     """train.init_from -> the draft it names (a checkpoint, an exported layout or an export root)."""
-    files = find(path)
-    if files is None:
-        raise ConfigError(f"train.init_from={path!r}: not a draft directory (an eyas draft holds {DRAFT_CONFIG} + "
-                          f"{DRAFT_WEIGHTS}, as train's final/; an export holds {CONFIG} + {WEIGHTS})")
-    return files
+    return locate(path, "train.init_from", ConfigError)
 
 
 def is_same_vocab(src_d2t: torch.Tensor, src_t2d: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> bool:

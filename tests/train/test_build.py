@@ -1,10 +1,11 @@
-"""eyas.train.build: the draft's initial lm_head (--train.init_head=target), flex rows, attention."""
+"""eyas.train.build: the draft's initial lm_head (--train.init_head=target); eyas.ttt: flex rows, attention kernel."""
 
 from __future__ import annotations
 
 import torch
 
 from eyas.train import build
+from eyas.ttt import flex_row_length, resolve_attention
 from tests.train.runs import tiny_cfg
 
 
@@ -34,6 +35,6 @@ def test_init_head_target_starts_from_the_targets_rows_of_the_draft_tokens(tmp_p
 
 
 def test_flex_rows_have_one_length():
-    assert [build.flex_row_length(n) for n in (8, 128, 129, 16384)] == [128, 128, 256, 16384]
-    assert build.resolve_attention("auto", torch.device("cpu")) == "sdpa"
-    assert build.resolve_attention("auto", torch.device("cuda")) == "flex"
+    assert [flex_row_length(n) for n in (8, 128, 129, 16384)] == [128, 128, 256, 16384]
+    assert resolve_attention("auto", torch.device("cpu")) == "sdpa"
+    assert resolve_attention("auto", torch.device("cuda")) == "flex"

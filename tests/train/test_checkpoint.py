@@ -33,6 +33,24 @@ def test_a_checkpoint_between_logging_steps_counts_the_window_in_progress(tmp_pa
     assert recs[0]["tokens"] / recs[0]["tokens_per_s"] < work["seconds"]
 
 
+def test_a_checkpoint_without_the_trainer_fields_is_refused_naming_init_from(tmp_path, smol_prep, tiny_target):
+    """A trainer.pt without a field this eyas resumes from (an earlier eyas wrote it) is an
+    ArtifactError naming the checkpoint and --train.init_from, not a KeyError from deep in the loop."""
+    from eyas.errors import ArtifactError
+    from eyas.train import checkpoint
+
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=2", "--train.save_every=1")
+    run(cfg)
+    ckpt = cfg.stage_dir("train") / "checkpoints" / "step_0000002"
+    state = torch.load(ckpt / checkpoint.TRAINER_STATE, weights_only=False)
+    del state["all_runs"]
+    torch.save(state, ckpt / checkpoint.TRAINER_STATE)
+    again = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=3",
+                     f"--train.resume={ckpt}", f"--train.out_dir={tmp_path / 'again'}")
+    with pytest.raises(ArtifactError, match=r"lacks \['all_runs'\].*--train.init_from=.*step_0000002"):
+        run(again)
+
+
 @pytest.mark.slow
 def test_kill_9_then_resume_continues_the_same_loss_curve(tmp_path, smol_prep, tiny_target):
     args = [f"--prepare.out_dir={smol_prep}", f"--target.model={tiny_target}", "--train.mode=online",
