@@ -7,7 +7,8 @@ Runs in the vLLM venv (scripts/vllm-venv.sh), never imports eyas. JOB.json:
     {"target": DIR, "dtype": "float32", "max_model_len": 512, "max_tokens": 24,
      "prompts": [[token ids], ...],
      "runs": [{"name": "target"},                                  # target only
-              {"name": "sglang", "draft": DIR, "k": 3}, ...]}       # target + EAGLE-3 draft
+              {"name": "sglang", "draft": DIR, "k": 3}, ...],       # target + EAGLE-3 draft
+     "engine_args": {...}}                                          # optional: more vllm.LLM arguments
 
 RESULT.json, per run: greedy `outputs` (token ids per prompt), the spec-decode counters
 (`num_drafts`, `num_draft_tokens`, `num_accepted_tokens`, `accepted_per_pos`; deltas over this
@@ -158,6 +159,7 @@ def run_one(job: dict, run: dict) -> dict:
     )  # fmt: skip
     if run.get("draft"):
         kw["speculative_config"] = {"method": "eagle3", "model": run["draft"], "num_speculative_tokens": run.get("k", 3)}
+    kw.update(job.get("engine_args", {}))
     t0 = time.perf_counter()
     llm = LLM(**kw)
     t1 = time.perf_counter()
