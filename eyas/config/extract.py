@@ -7,6 +7,7 @@ from eyas.config.base import require
 BACKENDS = ("hf", "vllm")
 STORE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICE_MAPS = ("", "auto", "balanced", "sequential")
+PROXY_PARITY = ("auto", "always", "never")
 
 
 @dataclass
@@ -66,7 +67,14 @@ class ExtractConfig:
     vllm_parity: int = 2
     """vLLM backend: samples of the first batch compared with the HF reference forward (transformers
     on CPU, loaded at the first check; extract.verify adds more); 0 = none, for targets whose
-    weights do not fit in host memory."""
+    weights do not fit in host memory: vLLM is then checked on a proxy of the target
+    (extract.vllm_proxy_parity)."""
+    vllm_proxy_parity: str = "auto"
+    """vLLM backend: before the target's engine loads, run the same vLLM path on a tiny random model of
+    the target's architecture (its config.json with few layers, small widths, few experts; unquantized)
+    and check it against transformers on every captured layer (eyas/extract/vllm_proxy.py); a
+    disagreement stops the run. auto = when extract.vllm_parity=0 (the target itself has no float
+    reference); always; never."""
     vllm_scratch_dir: str = ""
     """vLLM backend: the engine writes one safetensors file per request into DIR/vllm-scratch, read
     back and deleted within the batch; empty = the output directory. A tmpfs (/dev/shm) saves disk
@@ -129,6 +137,8 @@ class ExtractConfig:
         require(0 < self.vllm_gpu_memory_utilization <= 1,
                 f"extract.vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must lie in (0, 1]")
         require(self.vllm_parity >= 0, f"extract.vllm_parity={self.vllm_parity} must be >= 0")
+        require(self.vllm_proxy_parity in PROXY_PARITY,
+                f"extract.vllm_proxy_parity={self.vllm_proxy_parity!r}: choose one of {', '.join(PROXY_PARITY)}")
         if self.backend == "vllm":
             hf_only = {"device_map": self.device_map, "attn_implementation": self.attn_implementation,
                        "compile": self.compile, "pack": self.pack}

@@ -64,7 +64,7 @@ from eyas import artifacts, distributed
 from eyas.capture import check_layer_ids, default_layer_ids
 from eyas.config import EyasConfig, dump_config, to_dict
 from eyas.errors import ConfigError, DataError, EyasError, exception_message, record_error
-from eyas.extract import plan, store, vllm_backend  # vllm_backend imports vLLM only when it starts an engine
+from eyas.extract import plan, store, vllm_backend, vllm_proxy  # vLLM is imported only when an engine starts
 from eyas.extract.backend import HFBackend, Parity, check_parity, default_tolerance
 from eyas.extract.profile import NULL_TIMER, NullTimer
 from eyas.extract.writer import Failures, HostCopier, Writer
@@ -92,6 +92,8 @@ class Setup:
     """extract.spill_dirs, resolved and claimed for `out`."""
     min_free: int = 0
     """extract.min_free_gb in bytes."""
+    proxy: dict[str, Any] | None = None
+    """The vLLM backend's proxy parity check of this run (extract.vllm_proxy_parity), when it ran."""
 
     @property
     def bytes_per_token(self) -> int:
@@ -210,6 +212,8 @@ def _check_disk(s: Setup, rank: int, world_size: int, n: int) -> None:
 
 def make_backend(cfg: EyasConfig, setup: Setup, device: torch.device):
     if cfg.extract.backend == "vllm":
+        if vllm_proxy.wanted(cfg.extract):  # before the target's own load, which may take many minutes
+            setup.proxy = vllm_proxy.check_proxy(cfg, setup, vllm_backend.make_vllm_backend)
         return vllm_backend.make_vllm_backend(cfg, setup, int(setup.prepared.lengths.max()))
     model = load_model(cfg.target, device=None if cfg.extract.device_map else device,
                        device_map=cfg.extract.device_map or None,
@@ -398,6 +402,7 @@ def finalize(cfg: EyasConfig, setup: Setup, summaries: list[dict[str, Any]]) -> 
     extra: dict[str, Any] = {}
     if cfg.extract.backend == "vllm":
         counts["this_run"]["vllm"] = summaries[0].get("vllm", {})
+        counts["this_run"]["vllm_proxy_parity"] = setup.proxy
         extra["versions"] = {**artifacts.library_versions(), "vllm": vllm_backend.vllm_version()}
     meta = artifacts.write_meta(
         out, "extract",
