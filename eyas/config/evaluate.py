@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eyas.config.base import require
 
 MODES = ("chain", "tree", "both", "simulate")
+BACKENDS = ("hf", "vllm")
 DTYPES = ("", "auto", "bfloat16", "float16", "float32")
 
 
@@ -100,6 +101,20 @@ class EvaluateConfig:
     every decoder (target-only, chain, tree) before the next; after the first, no question is
     started when the time used plus the longest question so far would exceed the budget. The
     results say how many questions were evaluated (`num_questions`, `stopped_early`)."""
+    backend: str = "hf"
+    """hf: target and draft in this process (eyas.spec: chain, tree, the teacher-forced check, CUDA
+    graphs). vllm: vLLM serves the draft behind the target (its EAGLE-3 chain, num_draft_tokens per
+    step; tensor / expert parallel below), then the target alone as the baseline, and tau,
+    acceptance per position, speedup and the lossless check come from vLLM's outputs and counters
+    (eyas/evaluate/vllm.py; run eyas from a venv with vLLM). Mode chain only."""
+    vllm_tensor_parallel_size: int = 1
+    """backend vllm: GPUs (or CPU workers) the target is split over (vLLM `tensor_parallel_size`)."""
+    vllm_enable_expert_parallel: bool = False
+    """backend vllm: shard MoE experts instead of tensor-splitting them (vLLM `enable_expert_parallel`)."""
+    vllm_gpu_memory_utilization: float = 0.9
+    """backend vllm: fraction of each GPU vLLM may take."""
+    vllm_engine_args: dict = field(default_factory=dict)
+    """backend vllm: any other `vllm.LLM(...)` keyword arguments, applied last to both engines."""
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/evaluate."""
 
@@ -129,6 +144,16 @@ class EvaluateConfig:
             self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device) is not None,
             f"evaluate.device={self.device!r}: choose auto, cpu, cuda or cuda:N",
         )
+        require(self.backend in BACKENDS, f"evaluate.backend={self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        require(self.backend == "hf" or self.mode == "chain",
+                f"evaluate.mode={self.mode!r} with evaluate.backend=vllm: vLLM decodes EAGLE-3 chains; trees and "
+                "simulate need --evaluate.backend=hf")
+        require(self.backend == "hf" or not self.target_outputs,
+                "evaluate.target_outputs is read by the in-process evaluator (--evaluate.backend=hf) only")
+        require(self.vllm_tensor_parallel_size >= 1,
+                f"evaluate.vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} must be >= 1")
+        require(0 < self.vllm_gpu_memory_utilization <= 1,
+                f"evaluate.vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must lie in (0, 1]")
         require(
             self.dtype in DTYPES,
             f"evaluate.dtype={self.dtype!r}: choose auto, bfloat16, float16, float32 or empty (= target.dtype)",

@@ -54,7 +54,8 @@ from eyas.assets import sha256_file
 from eyas.config import EyasConfig, dump_config, to_dict
 from eyas.errors import EyasError, describe_exception, exception_message
 from eyas.evaluate.decoding import Setup, decode_questions, decoder, load_setup, warm_up
-from eyas.evaluate.inputs import load_bench, outputs_key, read_target_outputs, replay, write_target_outputs
+from eyas.draft_files import DraftFiles
+from eyas.evaluate.inputs import bench_hash, load_bench, outputs_key, read_target_outputs, replay, write_target_outputs
 from eyas.evaluate.lossless import check_lossless, score_divergence, tie_tolerance
 from eyas.evaluate.report import collect_results, format_table
 from eyas.evaluate.teacher_forced import teacher_forced_chain
@@ -66,6 +67,32 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     ec = cfg.evaluate
     out_dir = cfg.stage_dir("evaluate")
     questions = load_bench(ec.bench, ec.num_questions)  # before any model: a bad bench fails fast
+    if ec.backend == "vllm":
+        from eyas.evaluate import vllm
+
+        results, files, modes, reused = *vllm.evaluate(cfg, questions, out_dir), ["chain"], None
+    else:
+        results, files, modes, reused = in_process(cfg, questions, out_dir)
+    results["num_questions"] = done = results.pop("done")
+    results["questions_requested"] = len(questions)
+    results["stopped_early"] = done < len(questions)
+    results["target_outputs"] = str(reused) if reused else None  # read there, their wall times those of that run
+    write(cfg, out_dir, results, files, bench_hash(ec.bench), reused, modes)
+    print(format_table(results))
+    check_lossless(results, results["tie_tolerance"], out_dir / "results.json")
+    if (results["teacher_forced"] or {}).get("error"):
+        err = results["teacher_forced"]["error"]
+        skip = ("evaluate.mode=simulate is that check: --evaluate.mode=chain decodes instead" if ec.mode == "simulate"
+                else "--evaluate.teacher_forced=false skips the check")
+        raise EyasError(f"evaluate: the teacher-forced check failed ({err['type']}: {err['message']}); the decoding "
+                        f"results are in {out_dir / 'results.json'}; {skip}")
+    return results
+
+
+def in_process(cfg: EyasConfig, questions: list[dict[str, Any]], out_dir: Path):
+    """The target and the draft in this process (eyas.spec) -> (results, the draft's files, modes,
+    the stored target outputs read instead of decoding, if any)."""
+    ec = cfg.evaluate
     key = outputs_key(cfg, questions)
     reused, stored = read_target_outputs(ec.target_outputs, key) if ec.target_outputs else (None, None)
     s = load_setup(cfg)
@@ -107,21 +134,9 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     tf = results["teacher_forced"]
     results["tau_chain_simulated"] = tf["tau_sim"] if tf and "error" not in tf else None
     results["tau_tree_simulated"] = tf["tree"]["tau_sim"] if tf and "error" not in tf and tf["tree"] else None
-    results["num_questions"] = done
-    results["questions_requested"] = len(questions)
-    results["stopped_early"] = done < len(questions)
-    results["target_outputs"] = str(reused) if reused else None  # read there, their wall times those of that run
+    results["done"] = done
     results["settings"] = settings(s, ec)
-    write(cfg, s, out_dir, results, key, reused, modes)
-    print(format_table(results))
-    check_lossless(results, rel_tol, out_dir / "results.json")
-    if (results["teacher_forced"] or {}).get("error"):
-        err = results["teacher_forced"]["error"]
-        skip = ("evaluate.mode=simulate is that check: --evaluate.mode=chain decodes instead" if simulate
-                else "--evaluate.teacher_forced=false skips the check")
-        raise EyasError(f"evaluate: the teacher-forced check failed ({err['type']}: {err['message']}); the decoding "
-                        f"results are in {out_dir / 'results.json'}; {skip}")
-    return results
+    return results, s.draft_files, modes, reused
 
 
 def teacher_forced(s: Setup, ec, base_runs, spec_runs, phase_s: dict[str, float | None]) -> dict[str, Any] | None:
@@ -162,12 +177,14 @@ def settings(s: Setup, ec) -> dict[str, Any]:
         "dtype": str(s.dtype).replace("torch.", ""),
         "draft": str(s.draft_files.dir),
         "bench": ec.bench,
+        "backend": "hf",
     }
 
 
-def write(cfg: EyasConfig, s: Setup, out_dir: Path, results: dict[str, Any], key: dict[str, Any],
+def write(cfg: EyasConfig, out_dir: Path, results: dict[str, Any], files: DraftFiles, bench: str,
           reused: Path | None, modes: list[str]) -> None:
     """results.json, config.yaml and meta.json (last: the output is complete)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
     artifacts.atomic_write_json(out_dir / "results.json", results)
     artifacts.atomic_write_text(out_dir / "config.yaml", dump_config(cfg))
     artifacts.write_meta(
@@ -175,8 +192,8 @@ def write(cfg: EyasConfig, s: Setup, out_dir: Path, results: dict[str, Any], key
         "evaluate",
         config={"target": to_dict(cfg.target), "evaluate": to_dict(cfg.evaluate)},
         target=describe_target(cfg.target),
-        draft=str(s.draft_files.dir),
-        hashes={"draft_weights": sha256_file(s.draft_files.weights), "bench": key["bench"],
+        draft=str(files.dir),
+        hashes={"draft_weights": sha256_file(files.weights), "bench": bench,
                 **({"target_outputs": sha256_file(reused)} if reused else {})},
         counts={
             "questions": results["num_questions"],

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from eyas import artifacts, distributed
+from eyas import artifacts, distributed, vllm_engine
 from eyas.capture import check_layer_ids, default_layer_ids
 from eyas.config import EyasConfig, dump_config, to_dict
 from eyas.errors import ConfigError, DataError, EyasError, exception_message, record_error
@@ -130,7 +130,7 @@ def preflight(cfg: EyasConfig, device: torch.device, world_size: int, rank: int 
     longest = int(prepared.lengths.max())
     if ec.backend == "vllm":
         vllm_backend.max_model_len(ec, longest)  # ConfigError when too short, before any engine starts
-        vllm_backend.check_supported(ec, conf.model_type, layer_ids, cpu=vllm_backend.on_cpu())
+        vllm_backend.check_supported(ec, conf.model_type, layer_ids, cpu=vllm_engine.on_cpu("extract.backend"))
         vllm_backend.check_reference_memory(cfg)
     if longest > ec.token_budget:
         raise ConfigError(f"the longest sample has {longest} tokens, more than extract.token_budget={ec.token_budget}: "

