@@ -177,7 +177,7 @@ def test_the_8_gpu_recipe_in_one_torchrun_command(tmp_path, smollm2_dir):
     assert extract["backend"] == "vllm" and extract["counts"]["samples"] == 8 and not extract["counts"]["failed"]
     assert extract["counts"]["this_run"]["vllm_proxy_parity"]["max_relative_error"] < 1e-4
     train = json.loads((run / "train" / "meta.json").read_text())
-    assert train["counts"]["world_size"] == 2
+    assert train["counts"]["world_size"] == 2 and train["config"]["train"]["parallel"] == "fsdp"
     follower = (run / "run.rank1.log").read_text()
     assert "[eyas:run] rank 1: train" in follower and "extract" not in follower
     draft = json.loads((run / "export" / "speculators" / "config.json").read_text())["transformer_layer_config"]
