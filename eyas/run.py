@@ -217,6 +217,30 @@ def in_vllm(stage: str, stage_cfg: EyasConfig) -> bool:
         (stage == "evaluate" and stage_cfg.evaluate.backend == "vllm")
 
 
+# `python -m eyas` that first asks Linux for SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG = 1),
+# so that a rank killed by torchrun or a scheduler leaves no vLLM engine holding the GPUs; it stops at
+# once when the parent is already gone. (In the child itself: Popen's preexec_fn is unsafe in a
+# process with threads.)
+DIE_WITH_PARENT = (
+    "import ctypes, os, signal, sys\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "    if os.getppid() != int(sys.argv[1]): sys.exit(143)\n"
+)
+CHILD_MAIN = DIE_WITH_PARENT + "from eyas.cli import main\nsys.exit(main(sys.argv[2:]))\n"
+
+
+def _stop(child: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`: a vLLM engine gets the time to free its workers."""
+    if child.poll() is None:
+        child.terminate()
+        try:
+            child.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
 def run_alone(stage: str, stage_cfg: EyasConfig) -> int:
     """`python -m eyas STAGE` with this stage's config, in a child process without torchrun's
     environment: under torchrun rank 0 runs a vLLM stage this way, so that vLLM's own workers see no
@@ -230,12 +254,18 @@ def run_alone(stage: str, stage_cfg: EyasConfig) -> int:
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
     print(f"[eyas:run] {stage}: in vLLM, one process apart from the ranks: {sys.executable} -m eyas {stage} {config}",
           flush=True)
-    with subprocess.Popen([sys.executable, "-m", "eyas", stage, str(config)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, env=env, text=True, bufsize=1) as child:
-        for line in child.stdout:
-            sys.stdout.write(line)
-        rc = child.wait()
-    config.unlink(missing_ok=True)
+    try:
+        with subprocess.Popen([sys.executable, "-c", CHILD_MAIN, str(os.getpid()), stage, str(config)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, bufsize=1) as child:
+            try:
+                for line in child.stdout:
+                    sys.stdout.write(line)
+                rc = child.wait()
+            except BaseException:  # Ctrl-C or an error here: the engine must not outlive this rank
+                _stop(child)
+                raise
+    finally:
+        config.unlink(missing_ok=True)
     if rc not in (0, 1):  # 1: a complete extract that skipped samples, judged like the stage's own return
         raise EyasError(f"{stage} in vLLM stopped with exit status {rc} (its error is printed above)")
     return rc

@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from eyas.cli import main as cli
+from eyas.run import DIE_WITH_PARENT
 from tests.data import write_synthetic_chats
 from tests.faults import Poison, poison_backend
 from tests.models import save_tiny
@@ -479,3 +482,32 @@ def test_a_draft_to_start_from_of_another_vocabulary_is_refused_before_extract(t
     save_draft(wide, tmp_path / "wide")
     with pytest.raises(ConfigError, match=f"a draft for another target \\(vocab_size {V + 1} there, {V} here\\)"):
         check(run / "prepare", f"--train.init_from={tmp_path / 'wide'}", "--train.init_vocab=remap")
+
+
+def test_a_stage_run_apart_from_the_ranks_dies_with_its_rank(tmp_path):
+    """run_alone's child (a vLLM engine under torchrun) gets SIGTERM when the rank that started it is
+    killed (SIGKILL: no handler of the rank runs), and stops at once if that rank is already gone."""
+    child_code = DIE_WITH_PARENT + "import time\ntime.sleep(120)\n"
+    parent_code = (
+        "import subprocess, sys, os, time\n"
+        f"c = subprocess.Popen([sys.executable, '-c', {child_code!r}, str(os.getpid())])\n"
+        "print(c.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    time.sleep(1.0)  # the child has run its prctl
+    os.kill(child_pid, 0)  # alive
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    for _ in range(100):
+        try:
+            os.kill(child_pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child_pid, signal.SIGKILL)
+        raise AssertionError("the child outlived its killed parent")
+    orphan = subprocess.run([sys.executable, "-c", child_code, "1"], timeout=30)  # "parent" pid 1: not ours
+    assert orphan.returncode == 143
