@@ -5,6 +5,19 @@ A normalised conversation is `Conversation(id, messages=[{"role", "content"}])` 
 content has its surrounding whitespace stripped and consecutive turns of one role are merged.
 Everything that is changed or dropped on the way is counted by reason in a `Counter`, so prepare
 can report it; a malformed line or an unknown role is an error naming file:line / the record.
+
+Reasoning (the thinking block of a reasoning model) is kept as an assistant message's
+`reasoning_content`, the key the chat templates of Qwen3, Kimi-K2 and DeepSeek-R1 read; a message
+without reasoning has no such key. It comes from
+  - a `reasoning_content` (or `reasoning`, vLLM's newer name) string on the turn, in both forms:
+    OpenAI `{"role": "assistant", "content": ..., "reasoning_content": ...}` and ShareGPT
+    `{"from": "gpt", "value": ..., "reasoning_content": ...}`;
+  - else a thinking block written inline in the content, `<think>...</think>answer`, split as
+    Qwen3's chat template splits it (`split_think`): the reasoning is the text before the first
+    `</think>` after any `<think>`, the content the text after the last `</think>`.
+Reasoning is stripped like content. An assistant turn with reasoning but no answer (a generation cut
+off while thinking) is removed and counted (`removed_reasoning_without_answer`). Merged consecutive
+assistant turns join their reasonings and their contents, each with a blank line, in order.
 """
 
 from __future__ import annotations
@@ -32,6 +45,22 @@ ROLE_MAP = {
     "model": "assistant",
     "system": "system",
 }
+
+
+REASONING = "reasoning_content"
+"""The key of an assistant message's reasoning (what Qwen3's and Kimi's chat templates read)."""
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def split_think(text: str) -> tuple[str, str]:
+    """(reasoning, content) of a text with an inline thinking block, split exactly as Qwen3's chat
+    template splits an assistant content (`content.split('</think>')...`); ("", text) when the text
+    has no `</think>`. The opening `<think>` may be absent (templates that end the generation prompt
+    with it: the model writes only `reasoning</think>answer`)."""
+    if THINK_END not in text:
+        return "", text
+    reasoning = text.split(THINK_END)[0].rstrip("\n").split(THINK_START)[-1].lstrip("\n")
+    return reasoning, text.split(THINK_END)[-1].lstrip("\n")
 
 
 @dataclass
@@ -161,8 +190,13 @@ def normalise(where: str, rec: dict[str, Any], fmt: str, counts: Counter, system
         content = turn.get(text_key)
         if isinstance(content, list):  # OpenAI content parts
             content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        reasoning = turn_reasoning(turn, f"{where} (id {rid}): turn {j}") if role == "assistant" else ""
+        if role == "assistant" and not reasoning and isinstance(content, str) and THINK_END in content:
+            reasoning, content = split_think(content)
+            counts["reasoning_split_from_content"] += 1
+        reasoning = reasoning.strip()
         if not isinstance(content, str) or not content.strip():
-            counts["removed_empty_turn"] += 1
+            counts["removed_reasoning_without_answer" if reasoning else "removed_empty_turn"] += 1
             continue
         # Surrounding whitespace is data noise, and leading whitespace would merge with the
         # template's own "\n" into one token that belongs half to the template.
@@ -171,10 +205,13 @@ def normalise(where: str, rec: dict[str, Any], fmt: str, counts: Counter, system
             counts["removed_system_turn_not_first"] += 1
             continue
         if messages and messages[-1]["role"] == role:
-            messages[-1]["content"] += "\n\n" + content
+            last = messages[-1]
+            last["content"] += "\n\n" + content
+            if reasoning:
+                last[REASONING] = last[REASONING] + "\n\n" + reasoning if REASONING in last else reasoning
             counts["merged_consecutive_turns"] += 1
             continue
-        messages.append({"role": role, "content": content})
+        messages.append({"role": role, "content": content, **({REASONING: reasoning} if reasoning else {})})
     body = messages[1:] if messages and messages[0]["role"] == "system" else messages
     if body and body[0]["role"] == "assistant":
         body = body[1:]
@@ -189,6 +226,19 @@ def normalise(where: str, rec: dict[str, Any], fmt: str, counts: Counter, system
     if not system and system_prompt:
         system = [{"role": "system", "content": system_prompt}]
     return Conversation(rid, system + body)
+
+
+def turn_reasoning(turn: dict[str, Any], where: str) -> str:
+    """The reasoning a turn carries in `reasoning_content` or `reasoning` ("" when none)."""
+    for key in (REASONING, "reasoning"):
+        value = turn.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise DataError(f"{where}: '{key}' must be a string, got {type(value).__name__}")
+        if value.strip():
+            return value
+    return ""
 
 
 def load_conversations(

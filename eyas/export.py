@@ -167,7 +167,7 @@ def stage_dir_for(explicit: str, train_meta: dict[str, Any] | None, stage: str, 
 def main(cfg) -> int:
     from eyas.artifacts import atomic_write_text, hash_json
     from eyas.config import dump_config, to_dict
-    from eyas.target import describe_target, load_config, model_path
+    from eyas.target import describe_target, load_config, load_hf_config, model_path
 
     e = cfg.export
     train_dir = Path(e.train_dir) if e.train_dir else cfg.stage_dir("train")
@@ -195,7 +195,9 @@ def main(cfg) -> int:
         e.dtype,
         num_target_layers=tcfg.num_hidden_layers,
         verifier=model_path(cfg.target),
-        verifier_arch=list(getattr(tcfg, "architectures", None) or []),
+        # the checkpoint's own class (a multimodal wrapper's, e.g. KimiK25ForConditionalGeneration, not its
+        # text model's): what vLLM resolves for the verifier named beside it
+        verifier_arch=list(getattr(load_hf_config(cfg.target), "architectures", None) or []),
         num_speculative_tokens=e.num_speculative_tokens,
     )
     atomic_write_text(out / "config.yaml", dump_config(cfg))

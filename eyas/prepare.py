@@ -4,10 +4,32 @@
 
 Each conversation is rendered with the **target tokenizer's own chat template**. The loss mask is
 built without any per-family rule: the assistant contents are located in the rendered text (in
-order, as the template wrote them), the text is tokenised once with character offsets, and a
-token is masked in when its characters overlap an assistant content span; the first special token
-that follows a span (`<|im_end|>`, `<|eot_id|>`, `</s>`, ...) is masked in too, because the model
-must learn to end its turn. Tests check the result independently by decoding the masked tokens.
+order, as the template wrote them), the text is tokenised once with character offsets (a slow
+tokenizer's from its tokens' bytes: `byte_level_offsets`), and a token is masked in when its
+characters overlap an assistant content span; the first special token that follows a span
+(`<|im_end|>`, `<|eot_id|>`, `</s>`, ...) is masked in too, because the model must learn to end
+its turn. Tests check the result independently by decoding the masked tokens.
+
+Reasoning. An assistant message's `reasoning_content` (eyas.chat) is passed to the template, which
+decides where it shows: Qwen3's template renders it for the turns after the last user query only,
+Kimi-K2's only after the last assistant turn without tool calls. Which turns it rendered is found by
+rendering once with a marker in place of each reasoning (`rendered_reasoning`); a rendered
+reasoning must then be found verbatim (or stripped), after the previous message and before its own
+content, else the conversation fails by id, as for contents. For such a turn the masked span is
+everything the model writes when served: from the end of the template's generation prompt (the
+text `add_generation_prompt` appends, e.g. `<|im_start|>assistant\n`) through the reasoning, the
+template's text between reasoning and content, and the content, then the end-of-turn token. So
+`<think>\n` ... `\n</think>\n\n` (Qwen3) or `<think>` ... `</think>` (Kimi-K2-Thinking) are
+masked in, the draft learns to predict `</think>`, and a template whose generation prompt already
+ends with `<think>` (Kimi-K2.5, Qwen3-Thinking-2507) keeps that opener unmasked, as the model never
+writes it. A turn without rendered reasoning masks its content only: the empty `<think>\n\n</think>`
+Qwen3's template inserts is template text, not the model's. Reasoning the template drops on earlier
+turns is counted (`reasoning_not_rendered`). A template that drops the last assistant turn's
+reasoning but renders an empty thinking block there (Kimi-K2-Thinking's and K2.5's, which show
+reasoning only after the last plain assistant turn: `<think></think>answer`) gets the reasoning
+written into that block, as the model writes it when served (`fill_thinking`); one that renders
+neither is an error naming the conversation: pass a template that renders it
+(`--target.chat_template`) or `--prepare.reasoning=drop` to train on the answers alone.
 
 Output directory (read it with `eyas.Prepared`):
     tokens.safetensors   input_ids int32 [N], loss_mask uint8 [N], offsets int64 [S+1]
@@ -30,7 +52,7 @@ import torch
 from safetensors.torch import save_file
 
 from eyas import artifacts, vocab
-from eyas.chat import Conversation, load_conversations
+from eyas.chat import REASONING, Conversation, load_conversations
 from eyas.config import EyasConfig, dump_config, to_dict
 from eyas.errors import ConfigError, DataError
 from eyas.target import describe_target, load_tokenizer, target_vocab_size, tokenizer_hash
@@ -46,19 +68,89 @@ def special_ids(tok) -> set[int]:
     return ids
 
 
-def content_spans(text: str, conv: Conversation) -> list[tuple[int, int]]:
-    """Character spans of each assistant content inside the rendered text, in order.
+_MARK = "\u2063eyas reasoning {}\u2063"  # invisible separators: no template writes them
+
+
+def rendered_reasoning(tok, conv: Conversation) -> tuple[set[int], int | None]:
+    """Indices of the messages whose reasoning the chat template renders, found by rendering the
+    conversation once with a unique marker in place of each reasoning; and the last assistant turn's
+    index when the template drops that turn's reasoning (eyas then writes it in: `fill_thinking`)."""
+    if not any(REASONING in m for m in conv.messages):
+        return set(), None
+    probe = [dict(m, **{REASONING: _MARK.format(i)}) if REASONING in m else m for i, m in enumerate(conv.messages)]
+    text = render(tok, Conversation(conv.id, probe))
+    shown = {i for i, m in enumerate(conv.messages) if REASONING in m and _MARK.format(i) in text}
+    last = max(i for i, m in enumerate(conv.messages) if m["role"] == "assistant")
+    return shown, (last if REASONING in conv.messages[last] and last not in shown else None)
+
+
+THINK_END = "</think>"
+
+
+def fill_thinking(tok, conv: Conversation, text: str, i: int) -> str:
+    """`text` with the reasoning of assistant turn i (the last) written into the empty thinking block
+    the template renders for it. Templates such as Kimi-K2-Thinking's and K2.5's show reasoning only
+    after the last plain assistant turn, so a conversation that ends on one renders its last turn
+    as `<think></think>answer`; served, the model writes `<think>reasoning</think>answer` there (the
+    earlier turns stay as the template renders history). The reasoning goes right before the first
+    `</think>` between the end of the generation prompt and the answer; a template that renders
+    no such block is an error naming the conversation."""
+    m = conv.messages[i]
+    gen_prompt = generation_prompt(tok, conv, i)
+    content_at = text.rfind(m["content"].strip())
+    head = text.rfind(gen_prompt, 0, content_at) if gen_prompt and content_at >= 0 else -1
+    close = text.find(THINK_END, head + len(gen_prompt), content_at) if head >= 0 else -1
+    if close < 0:
+        raise DataError(
+            f"conversation {conv.id}: the chat template does not render the reasoning (reasoning_content) of the "
+            f"last assistant turn, nor an empty thinking block ending in {THINK_END} for eyas to write it into, so the "
+            "draft would not learn the thinking the target writes when served; use a template that renders it "
+            "(--target.chat_template=FILE) or --prepare.reasoning=drop to train on the answers alone"
+        )
+    return text[:close] + m[REASONING] + text[close:]
+
+
+def generation_prompt(tok, conv: Conversation, i: int) -> str | None:
+    """The text the template's generation prompt appends after messages[:i] (`<|im_start|>assistant\n`):
+    where what the model writes for message i begins. None when the prompted rendering does not
+    extend the plain one."""
+    head = Conversation(conv.id, conv.messages[:i])
+    bare, prompted = render(tok, head), render(tok, head, add_generation_prompt=True)
+    return prompted[len(bare):] if prompted.startswith(bare) and len(prompted) > len(bare) else None
+
+
+def _find(text: str, needle: str, cursor: int) -> tuple[int, str]:
+    """Where `needle` is rendered from `cursor` on: verbatim, else as templates that trim it render it."""
+    start = text.find(needle, cursor)
+    if start < 0:
+        needle = needle.strip()
+        start = text.find(needle, cursor)
+    return start, needle
+
+
+def content_spans(text: str, conv: Conversation, shown: set[int] = frozenset(), tok=None) -> list[tuple[int, int]]:
+    """Character spans of each assistant turn inside the rendered text, in order: its content, or,
+    when its reasoning is rendered (`shown`), from the end of the generation prompt before the
+    reasoning (else the reasoning itself) through the content.
 
     Every message is located in turn (the cursor moves past user/system contents too), so an
     assistant answer that also occurs inside a later user message is not mistaken for it.
     """
     spans, cursor = [], 0
-    for m in conv.messages:
-        needle = m["content"]  # as rendered verbatim, else as templates that trim it render it
-        start = text.find(needle, cursor)
-        if start < 0:
-            needle = needle.strip()
-            start = text.find(needle, cursor)
+    for i, m in enumerate(conv.messages):
+        first = -1
+        if i in shown:
+            at, needle = _find(text, m[REASONING], cursor)
+            if at < 0:
+                raise DataError(
+                    f"conversation {conv.id}: the chat template does not reproduce an assistant reasoning verbatim "
+                    f"(first 60 chars: {needle[:60]!r}); eyas cannot locate it to build the loss mask"
+                )
+            gen_prompt = generation_prompt(tok, conv, i)
+            head = text.rfind(gen_prompt, cursor, at) if gen_prompt else -1
+            first = head + len(gen_prompt) if head >= 0 else at
+            cursor = at + len(needle)
+        start, needle = _find(text, m["content"], cursor)
         if start < 0 and m["role"] != "assistant":
             continue  # templates may rewrite system/user text; only assistant spans must be found
         if start < 0:
@@ -67,7 +159,7 @@ def content_spans(text: str, conv: Conversation) -> list[tuple[int, int]]:
                 f"verbatim (first 60 chars: {needle[:60]!r}); eyas cannot locate it to build the loss mask"
             )
         if m["role"] == "assistant":
-            spans.append((start, start + len(needle)))
+            spans.append((first if first >= 0 else start, start + len(needle)))
         cursor = start + len(needle)
     return spans
 
@@ -94,11 +186,77 @@ def mask_from_offsets(
     return mask
 
 
-def render(tok, conv: Conversation) -> str:
+def drop_reasoning(convs: list[Conversation]) -> int:
+    """Remove every message's reasoning (prepare.reasoning=drop); returns how many there were."""
+    n = 0
+    for c in convs:
+        for m in c.messages:
+            n += m.pop(REASONING, None) is not None
+    return n
+
+
+def render(tok, conv: Conversation, add_generation_prompt: bool = False) -> str:
     try:
-        return tok.apply_chat_template(conv.messages, tokenize=False)
+        return tok.apply_chat_template(conv.messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja raises many types; re-raised with the conversation named
         raise DataError(f"conversation {conv.id}: the chat template failed: {type(e).__name__}: {e}") from e
+
+
+def token_bytes(tok, ids) -> dict[int, bytes | None]:
+    """The bytes each id of a byte-level BPE tokenizer stands for: an added token's own text, else the
+    token's GPT-2 byte-to-unicode spelling (what convert_ids_to_tokens gives for byte-level BPEs,
+    tiktoken ones included) mapped back to bytes; None for a token not spelt that way."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    added = {int(i): t.content for i, t in tok.added_tokens_decoder.items()}
+    table = {}
+    for tid in set(ids):
+        if tid in added:
+            table[tid] = added[tid].encode()
+            continue
+        piece = tok.convert_ids_to_tokens(tid)
+        table[tid] = bytes(byte_of[c] for c in piece) if piece and all(c in byte_of for c in piece) else None
+    return table
+
+
+def byte_level_offsets(tok, texts: list[str], ids_per_text: list[list[int]], convs: list[Conversation]):
+    """Token -> character offsets for a slow (Python) tokenizer, which gives none: each token's bytes,
+    laid end to end, must spell the text's UTF-8 bytes exactly (checked; else a ConfigError naming the
+    tokenizer and the conversation: never a silently wrong mask); a token's characters are those its
+    bytes fall in, so a token holding part of a character's bytes overlaps that whole character."""
+    table = token_bytes(tok, [t for ids in ids_per_text for t in ids])
+    out = []
+    for text, ids, conv in zip(texts, ids_per_text, convs):
+        data = text.encode("utf-8")
+        pieces = [table[t] for t in ids]
+        if None in pieces or b"".join(pieces) != data:
+            raise ConfigError(_spelling_mismatch(tok, data, ids, pieces, conv.id))
+        num_bytes = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))  # per token
+        byte_end = np.cumsum(num_bytes)
+        # character index of every byte (a UTF-8 continuation byte is 10xxxxxx), + one past the end
+        char_of_byte = np.cumsum((np.frombuffer(data, dtype=np.uint8) & 0xC0) != 0x80) - 1
+        char_of_byte = np.append(char_of_byte, len(text))
+        char_start = char_of_byte[byte_end - num_bytes]
+        char_end = np.where(num_bytes > 0, char_of_byte[np.maximum(byte_end - 1, 0)] + 1, char_start)
+        out.append(list(zip(char_start.tolist(), char_end.tolist())))
+    return out
+
+
+def _spelling_mismatch(tok, data: bytes, ids: list[int], pieces: list, conv_id) -> str:
+    at = 0
+    for k, (tid, piece) in enumerate(zip(ids, pieces)):
+        if piece is None or data[at : at + len(piece)] != piece:
+            what = (f"token {k} (id {tid}, {tok.convert_ids_to_tokens(tid)!r}) is not byte-level BPE" if piece is None
+                    else f"token {k} (id {tid}) is {piece!r} where the text has {data[at : at + len(piece)]!r}")
+            break
+        at += len(piece)
+    else:
+        what = f"the tokens spell {at} of the text's {len(data)} bytes"
+    return (f"the tokenizer of target {tok.name_or_path!r} ({type(tok).__name__}) is a slow tokenizer, and its tokens "
+            f"do not spell the rendered text of conversation {conv_id} byte for byte ({what}): eyas builds the loss "
+            "masks of slow tokenizers from their tokens' bytes, which needs a byte-level BPE (GPT-2 or tiktoken "
+            "style); give target.model a fast tokenizer (tokenizer.json)")
 
 
 def tokenize_conversations(tok, convs: list[Conversation], max_length: int, batch_size: int, counts: Counter):
@@ -107,10 +265,21 @@ def tokenize_conversations(tok, convs: list[Conversation], max_length: int, batc
     all_ids, all_masks, kept = [], [], []
     for b in range(0, len(convs), batch_size):
         batch = convs[b : b + batch_size]
-        texts = [render(tok, c) for c in batch]
-        enc = tok(texts, add_special_tokens=False, return_offsets_mapping=True)
-        for conv, text, ids, offs in zip(batch, texts, enc["input_ids"], enc["offset_mapping"]):
-            mask = mask_from_offsets(text, ids, offs, content_spans(text, conv), specials)
+        texts, shown_per_conv = [], []
+        for conv in batch:
+            text = render(tok, conv)
+            shown, fill = rendered_reasoning(tok, conv)
+            if fill is not None:
+                text = fill_thinking(tok, conv, text, fill)
+                shown.add(fill)
+                counts["reasoning_written_into_empty_block"] += 1
+            counts["reasoning_not_rendered"] += sum(REASONING in m for m in conv.messages) - len(shown)
+            texts.append(text)
+            shown_per_conv.append(shown)
+        enc = tok(texts, add_special_tokens=False, return_offsets_mapping=tok.is_fast)
+        offsets = enc["offset_mapping"] if tok.is_fast else byte_level_offsets(tok, texts, enc["input_ids"], batch)
+        for conv, text, ids, offs, shown in zip(batch, texts, enc["input_ids"], offsets, shown_per_conv):
+            mask = mask_from_offsets(text, ids, offs, content_spans(text, conv, shown, tok), specials)
             if len(ids) > max_length:
                 counts["truncated"] += 1
                 counts["tokens_truncated_away"] += len(ids) - max_length
@@ -172,6 +341,8 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
 
     convs, counts = load_conversations(pc.data, pc.format, pc.max_conversations, pc.system_prompt)
+    if pc.reasoning == "drop":
+        counts["reasoning_dropped"] += drop_reasoning(convs)
     ids, masks, kept = tokenize_in_workers(cfg, tok, convs, counts)
     num_records = counts["records"]
     dropped = num_records - len(kept)

@@ -18,6 +18,7 @@ Every builder seeds torch itself: the same arguments give the same weights in an
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -291,3 +292,81 @@ def fitted_draft(
         loss.backward()
         opt.step()
     return draft.eval().requires_grad_(False)
+
+
+KIMI_K25_VISION = {  # Kimi-K2.5's vision_config in its own (remote code's) field names, sizes shrunk
+    "init_pos_emb_height": 4, "init_pos_emb_time": 2, "init_pos_emb_width": 4, "merge_kernel_size": [2, 2],
+    "merge_type": "sd2_tpool", "mm_hidden_size": 16, "mm_projector_type": "patchmerger", "model_type": "",
+    "patch_size": 14, "pos_emb_type": "divided_fixed", "projector_hidden_act": "gelu", "projector_ln_eps": 1e-05,
+    "text_hidden_size": 256, "video_attn_type": "spatial_temporal", "vt_hidden_size": 16, "vt_intermediate_size": 32,
+    "vt_num_attention_heads": 2, "vt_num_hidden_layers": 1,
+}  # fmt: skip
+
+
+def save_kimi_k25(out: str | Path, tokenizer_dir: str | Path, q_lora_rank: int | None = 64, yarn: bool = True,
+                  seed: int = 0) -> Path:
+    """A Kimi-K2.5-shaped checkpoint: `save_deepseek_v3`'s tiny DeepSeek-V3 (the same weights for the
+    same arguments) inside Kimi-K2.5's multimodal wrapper, as moonshotai/Kimi-K2.5 ships it.
+
+    config.json has the wrapper's top-level fields (`architectures: ["KimiK25ForConditionalGeneration"]`,
+    `model_type: "kimi_k25"`, the media token ids, untied embeddings), the DeepSeek-V3 config nested
+    as `text_config` with the hub's `model_type: "kimi_k2"` (transformers' and vLLM's Kimi_K25Config
+    read it as deepseek_v3), and `vision_config` in the hub's vt_* names, shrunk. Field names and values
+    follow the real config.json as dumped with its weight list in a public model report (found through
+    the code index: a "KimiK25Config" dump of /nfs/.../moonshotai/Kimi-K2.5, 64 safetensors shards);
+    no auto_map: the remote code is not shipped here. Weights: the text model's under
+    `language_model.` (`language_model.model.embed_tokens.weight`, `language_model.lm_head.weight`,
+    ...), a few tiny vision-tower and projector tensors under `vision_tower.` / `mm_projector.` (not a
+    working tower: nothing here runs one), in three shards with a model.safetensors.index.json, the
+    vision ones in the last shard as in the real checkpoint. The real experts are INT4
+    (compressed-tensors pack-quantized, group 32); these stay float32."""
+    import json
+    import shutil
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        text_dir = save_deepseek_v3(Path(tmp) / "text", tokenizer_dir, q_lora_rank=q_lora_rank, yarn=yarn, seed=seed)
+        text_config = json.loads((text_dir / "config.json").read_text())
+        with safe_open(str(text_dir / "model.safetensors"), "pt") as f:
+            names = f.keys()
+            text = {f"language_model.{k}": f.get_tensor(k) for k in names}
+        for name in os.listdir(text_dir):
+            if name.startswith(("tokenizer", "chat_template", "special_tokens")):
+                shutil.copy(text_dir / name, out / name)
+    text_config["model_type"] = "kimi_k2"
+    text_config.pop("dtype", None)
+    v = KIMI_K25_VISION
+    g = torch.Generator().manual_seed(seed + 1)
+    vision = {
+        "vision_tower.patch_embed.proj.weight": torch.randn(v["vt_hidden_size"], 3, 14, 14, generator=g),
+        "vision_tower.patch_embed.proj.bias": torch.zeros(v["vt_hidden_size"]),
+        "vision_tower.encoder.blocks.0.wqkv.weight": torch.randn(3 * v["vt_hidden_size"], v["vt_hidden_size"], generator=g),
+        "vision_tower.encoder.final_layernorm.weight": torch.ones(v["vt_hidden_size"]),
+        "mm_projector.pre_norm.weight": torch.ones(v["vt_hidden_size"]),
+        "mm_projector.proj.2.weight": torch.randn(text_config["hidden_size"], 4 * v["vt_hidden_size"], generator=g),
+    }
+    layers = sorted({k for k in text if ".layers." in k})
+    shards = [{k: text[k] for k in layers[: len(layers) // 2]},
+              {k: text[k] for k in text if k not in layers[: len(layers) // 2]}, vision]
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: t.contiguous() for k, t in shard.items()}, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"], "bos_token_id": 163584, "dtype": "float32",
+        "eos_token_id": 163585, "ignore_index": -100, "media_placeholder_token_id": 163605, "model_type": "kimi_k25",
+        "pad_token_id": 163839, "text_config": text_config, "tie_word_embeddings": False,
+        "use_unified_vision_chunk": True, "video_placeholder": "<|kimi_k25_video_placeholder|>",
+        "vision_config": dict(v),
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

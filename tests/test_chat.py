@@ -108,3 +108,69 @@ def test_hf_dataset_saved_to_disk(tmp_path, capsys):
     assert [c.id for c in convs] == ["h1", "h2"] and convs[1].messages[-1] == {"role": "assistant", "content": "4"}
     assert cli(["prepare", f"--run_dir={tmp_path}", f"--prepare.data={path}", "--prepare.draft_vocab_size=50"]) == 0
     assert len(Prepared(tmp_path / "prepare")) == 2
+
+
+# ---- reasoning ---------------------------------------------------------------------------------
+
+
+def test_reasoning_kept_from_fields_and_inline_think_blocks(tmp_path):
+    recs = [
+        {"id": "field", "messages": [{"role": "user", "content": "q"},
+                                     {"role": "assistant", "content": " a ", "reasoning_content": "\nthink\n"}]},
+        {"id": "vllm", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning": "r"}]},
+        {"id": "inline", "messages": [{"role": "user", "content": "q"},
+                                      {"role": "assistant", "content": "<think>\nstep 1\nstep 2\n</think>\n\nthe answer"}]},
+        {"id": "no-opener", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "hmm</think>ok"}]},
+        {"id": "sharegpt", "conversations": [{"from": "human", "value": "q"},
+                                             {"from": "gpt", "value": "a", "reasoning_content": "r"}]},
+        {"id": "merged", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a1", "reasoning": "r1"},
+                                      {"role": "assistant", "content": "a2"}, {"role": "assistant", "content": "<think>r3</think>a3"}]},
+        {"id": "cut", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                                   {"role": "user", "content": "q2"}, {"role": "assistant", "content": None, "reasoning": "thinking..."}]},
+        {"id": "null", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": None}]},
+    ]
+    p = tmp_path / "r.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    convs, counts = load_conversations(str(p))
+    got = {c.id: c.messages[-1] for c in convs}
+    assert got == {
+        "field": {"role": "assistant", "content": "a", "reasoning_content": "think"},
+        "vllm": {"role": "assistant", "content": "a", "reasoning_content": "r"},
+        "inline": {"role": "assistant", "content": "the answer", "reasoning_content": "step 1\nstep 2"},
+        "no-opener": {"role": "assistant", "content": "ok", "reasoning_content": "hmm"},
+        "sharegpt": {"role": "assistant", "content": "a", "reasoning_content": "r"},
+        "merged": {"role": "assistant", "content": "a1\n\na2\n\na3", "reasoning_content": "r1\n\nr3"},
+        "cut": {"role": "assistant", "content": "a"},  # the answer cut off while thinking is removed, counted
+        "null": {"role": "assistant", "content": "a"},
+    }
+    assert counts["reasoning_split_from_content"] == 3 and counts["removed_reasoning_without_answer"] == 1
+    assert counts["merged_consecutive_turns"] == 2 and counts["removed_trailing_user_turn"] == 1
+
+
+def test_inline_think_block_split_as_qwen3s_template_splits_it(smollm2_tokenizer):
+    """The split content and reasoning render through Qwen3's template exactly as the inline text does
+    (the template splits it itself when there is no reasoning_content)."""
+    from eyas.chat import split_think
+    from tests.reasoning_templates import QWEN3_TEMPLATE
+
+    tok = smollm2_tokenizer
+    old = tok.chat_template
+    try:
+        tok.chat_template = QWEN3_TEMPLATE
+        for inline in ["<think>\nplan\n\n</think>\n\nanswer", "plan</think>answer", "\n<think>a</think>b</think>\nc",
+                       "x<think>\n\nplan</think>\n\n\nanswer\n"]:
+            reasoning, content = split_think(inline)
+            as_is = tok.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": inline}], tokenize=False)
+            split = tok.apply_chat_template([{"role": "user", "content": "q"},
+                                             {"role": "assistant", "content": content, "reasoning_content": reasoning}], tokenize=False)
+            assert split == as_is, inline
+    finally:
+        tok.chat_template = old
+
+
+def test_reasoning_that_is_not_a_string_names_the_record(tmp_path):
+    p = tmp_path / "r.jsonl"
+    p.write_text(json.dumps({"id": "rec3", "messages": [{"role": "user", "content": "q"},
+                                                        {"role": "assistant", "content": "a", "reasoning_content": ["x"]}]}) + "\n")
+    with pytest.raises(DataError, match=r"r\.jsonl:1 \(id rec3\): turn 1: 'reasoning_content' must be a string, got list"):
+        load_conversations(str(p))

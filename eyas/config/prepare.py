@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from eyas.config.base import require
 
 FORMATS = ("auto", "sharegpt", "openai", "hf")
+REASONING_MODES = ("keep", "drop")
 
 
 @dataclass
@@ -20,6 +21,11 @@ class PrepareConfig:
     """Use only the first N conversations of the data (0 = all)."""
     system_prompt: str = ""
     """System prompt put in front of conversations that have none (empty = none added)."""
+    reasoning: str = "keep"
+    """keep: assistant reasoning (`reasoning_content`/`reasoning` on a message, or an inline
+    `<think>...</think>` block) is rendered by the chat template and masked in where the template
+    shows it (a template that drops the last assistant turn's reasoning is an error); drop: remove
+    it and train on the answers alone (counted as reasoning_dropped)."""
     max_length: int = 2048
     """Tokens per sample; longer conversations are truncated (counted in meta.json)."""
     draft_vocab_size: int = 0
@@ -39,6 +45,7 @@ class PrepareConfig:
 
     def __post_init__(self) -> None:
         require(self.format in FORMATS, f"prepare.format={self.format!r}: choose one of {', '.join(FORMATS)}")
+        require(self.reasoning in REASONING_MODES, f"prepare.reasoning={self.reasoning!r}: choose one of {', '.join(REASONING_MODES)}")
         require(self.max_conversations >= 0, f"prepare.max_conversations={self.max_conversations} must be >= 0")
         require(self.max_length >= 8, f"prepare.max_length={self.max_length} is too small (>= 8)")
         require(self.draft_vocab_size >= 0, f"prepare.draft_vocab_size={self.draft_vocab_size} must be >= 0")

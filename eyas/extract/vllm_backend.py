@@ -42,7 +42,6 @@ Shapes: S sequence, T tokens of a batch, K layers (aux + final), D hidden size.
 from __future__ import annotations
 
 import fcntl
-import json
 import shutil
 import time
 from pathlib import Path
@@ -114,8 +113,14 @@ def engine_kwargs(cfg, layer_ids: list[int], num_layers: int, max_model_len: int
                                "kv_connector_extra_config": {"shared_storage_path": str(scratch)}},
     }
     kw.update(platform_kwargs(cpu))
-    overrides = hf_overrides(hf_config or {})
-    if overrides:
+    hf_config = hf_config or {}
+    text_config = hf_config.get("text_config")
+    if isinstance(text_config, dict):  # a multimodal wrapper (Kimi-K2.5): its text model runs, no vision tower
+        kw["language_model_only"] = True  # prompts are token ids without media: the tower is neither built nor read
+        overrides = hf_overrides(text_config)
+        if overrides:
+            kw["hf_overrides"] = {"text_config": overrides}
+    elif overrides := hf_overrides(hf_config):
         kw["hf_overrides"] = overrides
     kw.update(ec.vllm_engine_args)
     return kw
@@ -146,38 +151,31 @@ def max_model_len(ec, longest: int) -> int:
 # ---------------------------------------------------------------- the final norm
 
 
-def _checkpoint_file(path: str, revision: str, name: str) -> Path | None:
-    """A file of the target checkpoint (local directory or hub id), None when it has none."""
-    local = Path(path)
-    if local.is_dir():
-        return local / name if (local / name).is_file() else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+def load_final_norm(target: TargetConfig, dtype: torch.dtype) -> nn.Module:
+    """The target's final-norm module with its checkpoint weights, on CPU in `dtype`, without loading
+    the rest of the model: the transformers class is built on the meta device, so any architecture's
+    norm (RMSNorm, Gemma's 1 + w, LayerNorm with bias) is applied exactly as the HF backend applies it.
+    A multimodal wrapper's (Kimi-K2.5) is its text model's, read from under the wrapper's prefix."""
+    from eyas import target as tgt
 
-    try:
-        return Path(hf_hub_download(path, name, revision=revision or None))
-    except EntryNotFoundError:
-        return None
-
-
-def _weight_map(path: str, revision: str) -> dict[str, str]:
-    """Checkpoint tensor name -> safetensors file name."""
-    index = _checkpoint_file(path, revision, "model.safetensors.index.json")
-    if index is not None:
-        return json.loads(index.read_text())["weight_map"]
-    single = _checkpoint_file(path, revision, "model.safetensors")
-    if single is None:
-        raise EyasError(f"{path}: no model.safetensors(.index.json); the vLLM backend reads the final norm's "
+    files = tgt.weight_map(target)
+    if files is None:
+        raise EyasError(f"{target.model}: no model.safetensors(.index.json); the vLLM backend reads the final norm's "
                         "weights from a safetensors checkpoint")
-    from safetensors import safe_open
-
-    with safe_open(single, "pt") as f:
-        return {k: "model.safetensors" for k in f.keys()}
+    text = tgt.text_model(target)
+    model = tgt.target_meta_model(target, text, "its text model's final norm")
+    norm = find_final_norm(model)
+    name = next(name for name, m in model.named_modules() if m is norm)
+    keys = {param: _checkpoint_key(files, f"{text.prefix}{name}.{param}") for param in norm.state_dict()}
+    found = tgt.read_tensors(target, files, list(keys.values()))
+    norm.to_empty(device="cpu")
+    norm.load_state_dict({param: found[key] for param, key in keys.items()})
+    return norm.to(dtype).eval().requires_grad_(False)
 
 
 def _checkpoint_key(weight_map: dict[str, str], want: str) -> str:
     """`want` itself, else the one key outside the decoder layers with the same last two parts
-    (checkpoints whose names transformers maps on load, e.g. a `language_model.` prefix)."""
+    (checkpoints whose names transformers maps on load)."""
     if want in weight_map:
         return want
     tail = ".".join(want.split(".")[-2:])
@@ -186,31 +184,6 @@ def _checkpoint_key(weight_map: dict[str, str], want: str) -> str:
         raise EyasError(f"cannot find the final norm's tensor {want!r} in the checkpoint (candidates: {found or 'none'}); "
                         "use --extract.backend=hf for this target")
     return found[0]
-
-
-def load_final_norm(target: TargetConfig, dtype: torch.dtype) -> nn.Module:
-    """The target's final-norm module with its checkpoint weights, on CPU in `dtype`, without loading
-    the rest of the model: the transformers class is built on the meta device, so any architecture's
-    norm (RMSNorm, Gemma's 1 + w, LayerNorm with bias) is applied exactly as the HF backend applies it."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    path = model_path(target)
-    kw = {"trust_remote_code": target.trust_remote_code, **({"revision": target.revision} if target.revision else {})}
-    conf = AutoConfig.from_pretrained(path, **kw)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(conf, trust_remote_code=target.trust_remote_code)
-    norm = find_final_norm(model)
-    prefix = next(name for name, m in model.named_modules() if m is norm)
-    weight_map = _weight_map(path, target.revision)
-    state = {}
-    for name in norm.state_dict():
-        key = _checkpoint_key(weight_map, f"{prefix}.{name}")
-        with safe_open(_checkpoint_file(path, target.revision, weight_map[key]), "pt") as f:
-            state[name] = f.get_tensor(key)
-    norm.to_empty(device="cpu")
-    norm.load_state_dict(state)
-    return norm.to(dtype).eval().requires_grad_(False)
 
 
 # ---------------------------------------------------------------- one request's file
@@ -420,12 +393,12 @@ def make_vllm_backend(cfg, setup, longest: int) -> VLLMBackend:
     from vllm.platforms import current_platform
 
     from eyas.extract.backend import HFBackend
-    from eyas.target import load_config, load_model
+    from eyas.target import load_hf_config, load_model
 
     cpu = current_platform.is_cpu()
     scratch = scratch_dir(cfg, setup.out)
     kw = engine_kwargs(cfg, setup.layer_ids, setup.num_layers, max_model_len(cfg.extract, longest),
-                       setup.compute_dtype, scratch, cpu=cpu, hf_config=load_config(cfg.target).to_dict())
+                       setup.compute_dtype, scratch, cpu=cpu, hf_config=load_hf_config(cfg.target).to_dict())
     if cpu:
         bind_cpu_threads(int(kw["tensor_parallel_size"]) * int(kw["pipeline_parallel_size"]), "extract")
     print(f"[eyas:extract] vLLM {vllm_version()}: starting the engine ({kw['kv_transfer_config']['kv_connector']}, "

@@ -46,10 +46,13 @@ def proxy_config(config: dict[str, Any], tensor_parallel: int = 1, expert_parall
     (topk_method, scoring_func, groups), MLA's head sizes (vLLM's CPU MLA kernel takes only a
     576-wide latent), vocabulary. Shrunk: layers (for a MoE with dense first layers: one dense, two
     MoE), heads (2 x tensor_parallel), hidden and MLP widths, experts (two per group, a multiple of
-    the expert-parallel size). Dropped: quantization_config."""
-    if "text_config" in config:
-        raise ConfigError("extract.vllm_proxy_parity: the target's config nests its language model (text_config); "
-                          "a proxy of such a wrapper is not built yet: set --extract.vllm_proxy_parity=never")
+    the expert-parallel size). Dropped: quantization_config. A multimodal wrapper's config (a nested
+    `text_config`) stays the wrapper, with its text config shrunk so."""
+    if isinstance(config.get("text_config"), dict):  # a multimodal wrapper (Kimi-K2.5): the same wrapper, its text
+        c = copy.deepcopy(config)                      # config shrunk; vLLM runs it without its vision tower
+        c.pop("quantization_config", None)
+        c["text_config"] = proxy_config(config["text_config"], tensor_parallel, expert_parallel)
+        return c
     c = copy.deepcopy(config)
     c.pop("quantization_config", None)
     heads = 2 * tensor_parallel
@@ -83,11 +86,18 @@ def proxy_config(config: dict[str, Any], tensor_parallel: int = 1, expert_parall
     return c
 
 
-def build_proxy(config: dict[str, Any], out: Path, seed: int = 0) -> Path:
+def text_part(config: dict[str, Any]) -> dict[str, Any]:
+    """The config of the language model: a wrapper's nested text_config, else `config` itself."""
+    return config["text_config"] if isinstance(config.get("text_config"), dict) else config
+
+
+def build_proxy(config: dict[str, Any], out: Path, seed: int = 0, prefix: str = "") -> Path:
     """A random model of `config` saved as an HF directory in `out` (float32). Matrices are drawn from
     N(0, 0.05), routers' correction biases from N(0, 0.1) (at transformers' own 0.02 the layers
     barely change the residual stream and a wrong attention could pass); config.json is `config`
-    itself, so vLLM and transformers read the target's own fields."""
+    itself, so vLLM and transformers read the target's own fields. A wrapper's (nested text_config)
+    holds its text model only, its tensors under `prefix` as in the target (Kimi-K2.5: `language_model.`)."""
+    from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if out.exists():
@@ -95,7 +105,12 @@ def build_proxy(config: dict[str, Any], out: Path, seed: int = 0) -> Path:
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(out)), dtype=torch.float32)
+    conf = AutoConfig.from_pretrained(str(out))
+    wrapper = conf.get_text_config() is not conf
+    if wrapper:
+        conf = conf.get_text_config()
+        conf.model_type = type(conf).model_type  # see eyas.target.text_model (transformers 5.19 and `kimi_k2`)
+    model = AutoModelForCausalLM.from_config(conf, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "e_score_correction_bias" in name:
@@ -103,6 +118,10 @@ def build_proxy(config: dict[str, Any], out: Path, seed: int = 0) -> Path:
             elif p.dim() >= 2:
                 p.normal_(0, 0.05)
     model.save_pretrained(str(out), safe_serialization=True)
+    if wrapper:  # the text model's tensors under the wrapper's prefix (no vision tower: vLLM runs without one)
+        files = sorted(out.glob("*.safetensors"))
+        assert [f.name for f in files] == ["model.safetensors"], files
+        save_file({prefix + k: v for k, v in load_file(str(files[0])).items()}, str(files[0]), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
@@ -117,7 +136,7 @@ def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
     factory, with the run's engine arguments) on two random prompts, and compare with transformers;
     -> what was checked, for meta.json. ParityError (an EyasError) when vLLM disagrees."""
     from eyas.extract.backend import ParityError, check_parity, default_tolerance
-    from eyas.target import model_path
+    from eyas.target import model_path, text_model
 
     ec = cfg.extract
     source = Path(model_path(cfg.target)) / "config.json"
@@ -126,21 +145,22 @@ def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
                           f"{source} is not a file (a hub id: download the checkpoint, or set "
                           "--extract.vllm_proxy_parity=never)")
     config = proxy_config(json.loads(source.read_text()), ec.vllm_tensor_parallel_size, ec.vllm_enable_expert_parallel)
-    directory = build_proxy(config, setup.out / PROXY_DIR)
-    layers = int(config["num_hidden_layers"])
+    directory = build_proxy(config, setup.out / PROXY_DIR, prefix=text_model(cfg.target).prefix)
+    text = text_part(config)
+    layers = int(text["num_hidden_layers"])
     layer_ids = list(range(1, layers))
     proxy_cfg = copy.deepcopy(cfg)
     proxy_cfg.target.model, proxy_cfg.target.revision = str(directory), ""
     proxy_cfg.extract.vllm_parity = 2
     proxy_cfg.extract.vllm_max_model_len = 0
     g = torch.Generator().manual_seed(0)
-    tokens = [torch.randint(0, int(config["vocab_size"]), (n,), generator=g) for n in (48, 29)]
-    proxy_setup = dataclasses.replace(setup, layer_ids=layer_ids, num_layers=layers, hidden=int(config["hidden_size"]),
+    tokens = [torch.randint(0, int(text["vocab_size"]), (n,), generator=g) for n in (48, 29)]
+    proxy_setup = dataclasses.replace(setup, layer_ids=layer_ids, num_layers=layers, hidden=int(text["hidden_size"]),
                                       prepared=SimpleNamespace(ids=["proxy-0", "proxy-1"]))
     print(f"[eyas:extract] vLLM checked on a proxy of the target first (extract.vllm_proxy_parity): "
-          f"{config.get('architectures')}, {layers} layers, hidden {config['hidden_size']}, "
-          f"{config['num_attention_heads']} heads" + (f", {config['n_routed_experts']} experts"
-                                                      if "n_routed_experts" in config else "")
+          f"{config.get('architectures')}, {layers} layers, hidden {text['hidden_size']}, "
+          f"{text['num_attention_heads']} heads" + (f", {text['n_routed_experts']} experts"
+                                                    if "n_routed_experts" in text else "")
           + f"; {directory}", flush=True)
     backend = make_backend(proxy_cfg, proxy_setup, max(t.numel() for t in tokens))
     try:
@@ -161,5 +181,5 @@ def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
         shutil.rmtree(directory, ignore_errors=True)  # its weights: the target's vocabulary x hidden, twice
     print(f"[eyas:extract] proxy parity: {len(parity.errors)} samples, max relative error {max(parity.errors):.2e}",
           flush=True)
-    return {"dir": str(directory), "layers": layers, "hidden_size": config["hidden_size"],
+    return {"dir": str(directory), "layers": layers, "hidden_size": text["hidden_size"],
             "samples": len(parity.errors), "max_relative_error": max(parity.errors)}

@@ -7,7 +7,10 @@ Answers written by the target itself are the largest single lever on draft accep
 paper and every public reproduction): the draft learns the distribution it will have to predict.
 
 For a conversation [system?, u1, a1, u2, a2, ...] the output is [system?, u1, a1', u2, a2', ...]
-where a1' is generated from [system?, u1] and a2' from [system?, u1, a1', u2]. Conversations are
+where a1' is generated from [system?, u1] and a2' from [system?, u1, a1', u2]. An answer's thinking
+block is kept as its message's `reasoning_content` (the server's `reasoning_content`/`reasoning`
+field, or the `<think>...</think>` the target wrote) and is part of a1' in the later prompts, where
+the chat template decides whether to show it (Qwen3's drops it). Conversations are
 processed in chunks (`chunk_conversations`); round r of a chunk generates turn r of every
 conversation in it as one batch. A chunk is appended to `conversations.jsonl` (OpenAI form, one
 record per line, fsync'd) only when all its turns are done, so re-running the same command skips
@@ -31,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas import artifacts
-from eyas.chat import Conversation, load_conversations
+from eyas.chat import REASONING, Conversation, load_conversations
 from eyas.config import EyasConfig, dump_config, to_dict
 from eyas.errors import EyasError
 from eyas.regenerate.backends import HFBackend, ServerBackend
@@ -70,13 +73,15 @@ def regenerate_chunk(backend, tok, convs: list[Conversation], rc, counts: Counte
         else:
             answers = backend.generate(prompt_ids)
         for s, msgs, a in zip(live, prompts, answers):
-            s["messages"] = msgs + [{"role": "assistant", "content": a.text}]
+            s["messages"] = msgs + [{"role": "assistant", "content": a.text, **({REASONING: a.reasoning} if a.reasoning else {})}]
             s["reasons"].append(a.finish_reason)
             counts["turns"] += 1
             counts["new_tokens"] += a.new_tokens
             counts[f"finish_{a.finish_reason}"] += 1
             if not a.text:
                 counts["empty_answers"] += 1
+            if a.reasoning:
+                counts["answers_with_reasoning"] += 1
     out = []
     for s in states:
         if not any(m["role"] == "assistant" for m in s["messages"]):

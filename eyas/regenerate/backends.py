@@ -5,11 +5,16 @@
                  fixed-size KV buffers and the decode step of all rows as one CUDA graph (captured
                  in a forward's time, no compilation), rows filled up to a power of two, prompt
                  widths bucketed (`static_widths`). Elsewhere transformers `generate`.
-                 `generate(token prompts, sampling) -> [Answer]`.
+                 `generate(token prompts, sampling) -> [Answer]`. An answer's thinking block is
+                 split off into `Answer.reasoning` (eyas.chat.split_think); `<think>`/`</think>`
+                 are kept through decoding also where they are special tokens.
   ServerBackend  an OpenAI-compatible /v1/chat/completions endpoint (vllm serve, SGLang) with
                  bounded concurrency; connection errors, HTTP 429 and 5xx are retried `retries`
                  times with backoff, then the run fails naming the conversation, the attempts and
-                 the last error. `generate_messages(chats, ids) -> [Answer]`.
+                 the last error. `generate_messages(chats, ids) -> [Answer]`. The response
+                 message's `reasoning_content` (SGLang, vLLM before 0.11) or `reasoning` (vLLM)
+                 is the answer's reasoning; without either, a thinking block inline in `content`
+                 is split off as the HF backend does.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from eyas.chat import REASONING, THINK_END, THINK_START, split_think
 from eyas.config import EyasConfig
 from eyas.errors import EyasError, exception_message
 
@@ -31,6 +37,7 @@ class Answer:
     text: str
     new_tokens: int
     finish_reason: str  # "stop" | "length"
+    reasoning: str = ""  # the thinking block, without its <think> markers ("" when none)
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,7 @@ class HFBackend:
         self.model = load_model(cfg.target, device=self.device)
         self.eos = _eos_ids(self.model, tok)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos[0]
+        self.think_ids = marker_ids(tok)
         self.static = rc.static_cache and self.device.startswith("cuda")
         self.widths = sorted(rc.static_widths or {512, rc.max_prompt_tokens})
         self.decoder = None
@@ -74,7 +82,7 @@ class HFBackend:
             else:
                 new = self._hf_batch(batch, s)
             for row, i in enumerate(idx):
-                out[i] = self._answer(new[row])
+                out[i] = self._answer(new[row], split=s is self.answers)
         return out  # type: ignore[return-value]
 
     def _pick(self, logits_BV, s: Sampling):
@@ -132,14 +140,42 @@ class HFBackend:
             gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kw)
         return gen[:, width:].cpu().tolist()  # one host sync per batch
 
-    def _answer(self, new: list[int]) -> Answer:
+    def _answer(self, new: list[int], split: bool = True) -> Answer:
+        """The answer in `new` (cut after the first eos); with `split`, its thinking block apart."""
         n, reason = len(new), "length"
         for j, t in enumerate(new):
             if t in self.eos:
                 n, reason = j + 1, "stop"
                 break
-        text = self.tok.decode(new[:n], skip_special_tokens=True)
-        return Answer(text.strip(), n, reason)
+        if not split:
+            return Answer(self.tok.decode(new[:n], skip_special_tokens=True).strip(), n, reason)
+        reasoning, text = split_think(decode_keeping(self.tok, new[:n], self.think_ids))
+        return Answer(text.strip(), n, reason, reasoning.strip())
+
+
+def marker_ids(tok) -> dict[int, str]:
+    """{token id: text} of `<think>` and `</think>` where each is one token of its own (Qwen3,
+    Kimi, DeepSeek-R1): decoding with skip_special_tokens drops those that are special."""
+    out = {}
+    for marker in (THINK_START, THINK_END):
+        ids = tok.encode(marker, add_special_tokens=False)
+        if len(ids) == 1:
+            out[ids[0]] = marker
+    return out
+
+
+def decode_keeping(tok, ids: list[int], markers: dict[int, str]) -> str:
+    """`ids` decoded without special tokens, except the `markers`, which are written as their text."""
+    if not any(t in markers for t in ids):
+        return tok.decode(ids, skip_special_tokens=True)
+    parts, run = [], []
+    for t in ids:
+        if t in markers:
+            parts += [tok.decode(run, skip_special_tokens=True), markers[t]]
+            run = []
+        else:
+            run.append(t)
+    return "".join(parts) + tok.decode(run, skip_special_tokens=True)
 
 
 def static_width(width: int, widths: list[int]) -> int:
@@ -170,6 +206,8 @@ class ServerBackend:
         self.retried = 0
 
     def generate_messages(self, prompts: list[list[dict[str, str]]], ids: list[str]) -> list[Answer]:
+        """Answers to the chats (earlier assistant turns carry their `reasoning_content`: the
+        server's chat template decides whether to show it, as for any client)."""
         with ThreadPoolExecutor(max_workers=self.rc.concurrency) as pool:
             return list(pool.map(self._one, prompts, ids))
 
@@ -203,12 +241,18 @@ class ServerBackend:
                 continue
             try:
                 choice = payload["choices"][0]
-                text = choice["message"]["content"] or ""
+                message = choice["message"]
+                text = message["content"] or ""
+                reasoning = message.get(REASONING) or message.get("reasoning") or ""
                 n = int((payload.get("usage") or {}).get("completion_tokens", 0))
                 reason = choice.get("finish_reason") or "stop"
-            except (KeyError, IndexError, TypeError) as e:
+                if not (isinstance(text, str) and isinstance(reasoning, str)):
+                    raise TypeError("content and reasoning must be strings")
+            except (KeyError, IndexError, TypeError, AttributeError) as e:
                 raise EyasError(f"regenerate: malformed response from {self.url} for conversation {conv_id}: {str(payload)[:500]}") from e
-            return Answer(text.strip(), n, "length" if reason == "length" else "stop")
+            if not reasoning:  # a server without a reasoning parser: the thinking block is in the content
+                reasoning, text = split_think(text)
+            return Answer(text.strip(), n, "length" if reason == "length" else "stop", reasoning.strip())
         raise EyasError(
             f"regenerate: conversation {conv_id} failed after {self.rc.retries + 1} attempts at {self.url}; last error: {last}"
         )

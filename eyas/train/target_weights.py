@@ -6,54 +6,19 @@ Without loading the model where possible: the module names come from the archite
 the meta device (`get_input_embeddings()` / `get_output_embeddings()`, no per-family table), the
 tensors are read from the safetensors file that holds them (through `model.safetensors.index.json`
 for sharded checkpoints). Tied embeddings (`tie_word_embeddings`, or no LM-head tensor in the
-checkpoint) give the same tensor twice. Anything else (no safetensors, renamed keys) falls back
-to loading the whole model on CPU.
+checkpoint) give the same tensor twice. A multimodal wrapper (Kimi-K2.5: config.json nests the
+text model's config as `text_config`, its tensors lie under `language_model.`) is read the same way
+through its text model (eyas.target.text_model), and never loaded whole: when its text model's
+tensors are not found by name, the error names those looked for. Anything else (no safetensors,
+renamed keys) falls back to loading the whole model on CPU.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
+from eyas import target as tgt
 from eyas.config.target import TargetConfig
-from eyas.target import model_path
-
-
-def _param_name(model: torch.nn.Module, module: torch.nn.Module | None) -> str | None:
-    if module is None or getattr(module, "weight", None) is None:
-        return None
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if p is module.weight:
-            return name
-    return None
-
-
-def _weight_files(path: Path) -> dict[str, Path] | None:
-    """checkpoint key -> safetensors file, or None when the checkpoint is not safetensors."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    single = path / "model.safetensors"
-    if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as f:
-            return {k: single for k in f.keys()}
-    return None
-
-
-def _meta_model(cfg: TargetConfig):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kw = {"trust_remote_code": cfg.trust_remote_code}
-    if cfg.revision:
-        kw["revision"] = cfg.revision
-    conf = AutoConfig.from_pretrained(model_path(cfg), **kw)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(conf, trust_remote_code=cfg.trust_remote_code)
-    return conf, model
 
 
 def _tied(conf) -> bool:
@@ -63,23 +28,24 @@ def _tied(conf) -> bool:
 
 def load_embed_and_head(cfg: TargetConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (embed_VD, lm_head_VD) in the checkpoint's dtype, on CPU."""
-    path = Path(model_path(cfg))
-    files = _weight_files(path) if path.is_dir() else None
+    files = tgt.weight_map(cfg)
+    text = tgt.text_model(cfg)
+    if text.config is not None:  # a multimodal wrapper's text model
+        names = tgt.text_tensor_names(tgt.meta_model(text.config))
+        keys = {k: text.prefix + n for k, n in names.items() if n and k != "norm"}
+        found = tgt.read_tensors(cfg, files, list(keys.values()))
+        return found[keys["embed"]], found[keys.get("head", keys["embed"])]
     if files is not None:
-        conf, meta = _meta_model(cfg)
-        emb_key = _param_name(meta, meta.get_input_embeddings())
-        head_key = _param_name(meta, meta.get_output_embeddings())
+        conf = tgt.load_hf_config(cfg)
+        meta = tgt.target_meta_model(cfg, text, "its text model's embedding and LM head")
+        emb_key = tgt.param_name(meta, meta.get_input_embeddings())
         if emb_key in files:
-            from safetensors import safe_open
-
-            def read(key: str) -> torch.Tensor:
-                with safe_open(str(files[key]), framework="pt") as f:
-                    return f.get_tensor(key)
-
-            embed = read(emb_key)
-            if _tied(conf) or head_key is None or head_key not in files:
+            head_key = None if _tied(conf) else tgt.param_name(meta, meta.get_output_embeddings())
+            if head_key is None or head_key not in files:
+                (embed,) = tgt.read_tensors(cfg, files, [emb_key]).values()
                 return embed, embed
-            return embed, read(head_key)
+            found = tgt.read_tensors(cfg, files, [emb_key, head_key])
+            return found[emb_key], found[head_key]
     return _from_full_model(cfg)
 
 

@@ -53,8 +53,8 @@ def test_a_grouped_query_proxy_keeps_its_head_dim_and_grouping():
     p = proxy_config(LLAMA_8B, tensor_parallel=2)
     assert (p["num_attention_heads"], p["num_key_value_heads"], p["head_dim"], p["hidden_size"]) == (4, 2, 128, 512)
     assert p["num_hidden_layers"] == 3 and p["vocab_size"] == 128256
-    with pytest.raises(ConfigError, match="text_config"):
-        proxy_config({"text_config": LLAMA_8B})
+    wrapped = proxy_config({"architectures": ["LlavaForConditionalGeneration"], "text_config": LLAMA_8B}, tensor_parallel=2)
+    assert wrapped["text_config"] == p and wrapped["architectures"] == ["LlavaForConditionalGeneration"]  # tests/test_kimi_k25.py
 
 
 def test_when_the_proxy_check_runs():

@@ -25,11 +25,21 @@ def greedy_reply(model, tok, messages, max_new_tokens: int) -> tuple[str, int, s
     return tok.decode(new, skip_special_tokens=True).strip(), len(new), reason
 
 
-class ChatServer:
-    """mode: 'model' (real answers), 'fail' (always HTTP 503), 'flaky' (503 on the first request)."""
+def thinking_for(messages) -> str:
+    """The reasoning the server reports in 'reasoning' mode: a fixed text about the last user turn
+    (SmolLM2 does not think), so tests know it without the code under test."""
+    return f"The user wrote: {messages[-1]['content']}\nI answer briefly."
 
-    def __init__(self, model=None, tok=None, mode: str = "model"):
-        self.model, self.tok, self.mode = model, tok, mode
+
+class ChatServer:
+    """mode: 'model' (real answers), 'fail' (always HTTP 503), 'flaky' (503 on the first request).
+    `reasoning_key` ('reasoning' as vLLM >= 0.11, 'reasoning_content' as SGLang): the response
+    message also carries thinking_for(messages) under that key, as a server with a reasoning parser.
+    Every request body is kept in `bodies`."""
+
+    def __init__(self, model=None, tok=None, mode: str = "model", reasoning_key: str = ""):
+        self.model, self.tok, self.mode, self.reasoning_key = model, tok, mode, reasoning_key
+        self.bodies: list[dict] = []
         self.requests = 0
         self.lock = threading.Lock()
         server = self
@@ -43,14 +53,18 @@ class ChatServer:
                 with server.lock:
                     server.requests += 1
                     n = server.requests
+                    server.bodies.append(body)
                 if self.path != "/v1/chat/completions":
                     return self._send(404, {"error": "not found"})
                 if server.mode == "fail" or (server.mode == "flaky" and n == 1):
                     return self._send(503, {"error": "overloaded"})
                 with server.lock:  # one generate at a time: the model is shared
                     text, ntok, reason = greedy_reply(server.model, server.tok, body["messages"], body["max_tokens"])
+                message = {"role": "assistant", "content": text}
+                if server.reasoning_key:
+                    message[server.reasoning_key] = thinking_for(body["messages"])
                 self._send(200, {
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}],
+                    "choices": [{"index": 0, "message": message, "finish_reason": reason}],
                     "usage": {"completion_tokens": ntok},
                 })
 

@@ -92,3 +92,76 @@ def test_server_that_keeps_failing_fails_the_run_loudly(tmp_path, data, capsys):
     msg = str(e.value)
     assert "conversation a" in msg and "after 2 attempts" in msg and "HTTP 503" in msg and "overloaded" in msg
     assert not (tmp_path / "regenerate" / "meta.json").exists()  # never marked complete
+
+
+@pytest.mark.parametrize("key", ["reasoning", "reasoning_content"])  # vLLM >= 0.11, SGLang (and vLLM before)
+def test_server_reasoning_reaches_the_file_the_next_prompt_and_prepares_mask(tmp_path, data, target, key, capsys):
+    """A server with a reasoning parser answers with the thinking apart: it is written as the
+    message's reasoning_content, sent back with the earlier turn, and prepare (Qwen3's template)
+    masks it in with its think markers on the last turn, while the first turn keeps its content only."""
+    from eyas import Prepared
+    from eyas.cli import main as cli
+    from tests.reasoning_templates import QWEN3_TEMPLATE
+    from tests.regenerate.chat_server import thinking_for
+    from tests.test_prepare import masked_runs
+
+    model, tok = target
+    with ChatServer(model, tok, reasoning_key=key) as srv:
+        regenerate(cfg_for(tmp_path, data, "--regenerate.backend=server", f"--regenerate.server_url={srv.url}",
+                           "--regenerate.concurrency=1"))
+    path = tmp_path / "regenerate" / "conversations.jsonl"
+    recs = {r["id"]: r for r in read(path)}
+    for conv in CONVS:  # expected: the server's thinking text and batch-1 greedy answers, turn by turn
+        msgs = [m for m in conv["messages"][:1] if m["role"] == "system"]
+        for m in conv["messages"]:
+            if m["role"] == "user":
+                msgs = msgs + [m]
+                msgs = msgs + [{"role": "assistant", "content": greedy_reply(model, tok, msgs, NEW)[0],
+                                "reasoning_content": f"The user wrote: {m['content']}\nI answer briefly."}]
+        assert recs[conv["id"]]["messages"] == msgs
+        assert all(m["content"] for m in msgs)
+    second = [b["messages"] for b in srv.bodies if len(b["messages"]) == 3]  # conversation a, second turn
+    assert second == [recs["a"]["messages"][:3]] and second[0][1]["reasoning_content"] == thinking_for(second[0][:1])
+
+    template = tmp_path / "qwen3.jinja"
+    template.write_text(QWEN3_TEMPLATE)
+    assert cli(["prepare", f"--run_dir={tmp_path}", f"--prepare.data={path}", f"--target.chat_template={template}",
+                "--prepare.draft_vocab_size=100"]) == 0
+    p = Prepared(tmp_path / "prepare")
+    assert p.meta["counts"]["reasons"]["reasoning_not_rendered"] == 1  # conversation a's first answer
+    for i in range(len(p)):
+        s = p[i]
+        turns = [m for m in recs[s["id"]]["messages"] if m["role"] == "assistant"]
+        want = [m["content"] + "<|im_end|>" for m in turns[:-1]]
+        want.append(f"<think>\n{turns[-1]['reasoning_content']}\n</think>\n\n{turns[-1]['content']}<|im_end|>")
+        assert masked_runs(tok, s["input_ids"].tolist(), s["loss_mask"].tolist()) == want, s["id"]
+    # without a template that shows it, the last reasoning is an error naming the conversation and the flag
+    capsys.readouterr()
+    assert cli(["prepare", f"--run_dir={tmp_path / 'chatml'}", f"--prepare.data={path}", "--prepare.draft_vocab_size=100"]) == 2
+    err = capsys.readouterr().err
+    assert "conversation a: the chat template does not render the reasoning" in err and "--prepare.reasoning=drop" in err
+    assert cli(["prepare", f"--run_dir={tmp_path / 'chatml'}", f"--prepare.data={path}", "--prepare.draft_vocab_size=100",
+                "--prepare.reasoning=drop"]) == 0
+    assert Prepared(tmp_path / "chatml" / "prepare").meta["counts"]["reasons"]["reasoning_dropped"] == 4
+
+
+def test_hf_backend_keeps_the_thinking_block_of_special_think_tokens(tmp_path, data, target):
+    """<think>/</think> as special tokens (Kimi's) vanish with skip_special_tokens; the answer keeps
+    them apart as its reasoning, with or without the opener (templates whose prompt writes it)."""
+    from eyas.regenerate.backends import HFBackend
+    from tests.reasoning_templates import tokenizer_with
+
+    _, tok = target
+    think_tok = tokenizer_with(tok.name_or_path, tok.chat_template, [], think_special=True)
+    backend = HFBackend(cfg_for(tmp_path, data), think_tok)
+    eos = think_tok.eos_token_id
+    first = think_tok("<think>\nLet me see.\n</think>\n\nBlue, surely.", add_special_tokens=False)["input_ids"]
+    assert "think>" not in think_tok.decode(first, skip_special_tokens=True)  # what the plain decode loses
+    for text, reasoning in [("<think>\nLet me see.\n</think>\n\nBlue, surely.", "Let me see."),
+                            ("Let me see.</think>Blue, surely.", "Let me see."), ("Blue, surely.", "")]:
+        ids = think_tok(text, add_special_tokens=False)["input_ids"]
+        assert (think_tok.convert_tokens_to_ids("</think>") in ids) == bool(reasoning)
+        a = backend._answer(ids + [eos, 7, 7])
+        assert (a.text, a.reasoning, a.new_tokens, a.finish_reason) == ("Blue, surely.", reasoning, len(ids) + 1, "stop")
+    raw = backend._answer(think_tok("Say <think>hi</think> ok", add_special_tokens=False)["input_ids"], split=False)
+    assert (raw.text, raw.reasoning) == ("Say hi ok", "")  # self-written user turns: decoded as before
