@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -211,10 +212,17 @@ def on_every_rank(stage: str, stage_cfg: EyasConfig) -> bool:
 
 
 def in_vllm(stage: str, stage_cfg: EyasConfig) -> bool:
-    """A stage vLLM runs (extract or evaluate with backend vllm): one process that spreads the target
-    over the GPUs itself."""
-    return (stage == "extract" and stage_cfg.extract.backend == "vllm") or \
-        (stage == "evaluate" and stage_cfg.evaluate.backend == "vllm")
+    """A stage vLLM runs (regenerate, extract or evaluate with backend vllm): one process that spreads
+    the target over the GPUs itself."""
+    return getattr(stage_cfg, stage, None) is not None and getattr(getattr(stage_cfg, stage), "backend", "") == "vllm" \
+        and stage in ("regenerate", "extract", "evaluate")
+
+
+def one_engine(stage: str, stage_cfg: EyasConfig) -> bool:
+    """regenerate and extract both in vLLM, extract in this run: one process runs regenerate, prepare
+    and extract, so that the target loads once (regenerate leaves its engine to extract)."""
+    return stage == "regenerate" and stage_cfg.regenerate.backend == "vllm" and stage_cfg.extract.backend == "vllm" \
+        and stage_cfg.train.mode == "offline" and stage_cfg.stop_after not in ("regenerate", "prepare")
 
 
 # `python -m eyas` that first asks Linux for SIGTERM when its parent dies (prctl PR_SET_PDEATHSIG = 1),
@@ -241,25 +249,36 @@ def _stop(child: subprocess.Popen, grace_s: float = 30.0) -> None:
             child.wait()
 
 
-def run_alone(stage: str, stage_cfg: EyasConfig) -> int:
+def run_alone(stage: str, stage_cfg: EyasConfig, through: str = "") -> int | RanThrough:
     """`python -m eyas STAGE` with this stage's config, in a child process without torchrun's
     environment: under torchrun rank 0 runs a vLLM stage this way, so that vLLM's own workers see no
     trace of the ranks' process group and every GPU byte the engine took is freed when it exits,
-    before the ranks train. Its output comes through this process (run.log keeps it)."""
+    before the ranks train. Its output comes through this process (run.log keeps it).
+
+    With `through` (a later stage), the child is `eyas run` from this stage to that one (with
+    stage_cfg the run's own config), e.g. regenerate, prepare and extract on one vLLM engine; it
+    writes run.log itself. -> RanThrough(through) when it succeeded."""
     from eyas.config import dump_config
 
+    command = "run" if through else stage
     config = stage_cfg.stage_dir(stage).parent / f".{stage}-alone.yaml"
     config.parent.mkdir(parents=True, exist_ok=True)
+    if through:
+        stage_cfg = copy.deepcopy(stage_cfg)
+        stage_cfg.stop_after = through
     artifacts.atomic_write_text(config, dump_config(stage_cfg))
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
-    print(f"[eyas:run] {stage}: in vLLM, one process apart from the ranks: {sys.executable} -m eyas {stage} {config}",
+    what = f"{stage} to {through}" if through else stage
+    print(f"[eyas:run] {what}: in vLLM, one process apart from the ranks: {sys.executable} -m eyas {command} {config}",
           flush=True)
+    out = sys.__stdout__ if through else sys.stdout  # `eyas run` in the child writes run.log itself
     try:
-        with subprocess.Popen([sys.executable, "-c", CHILD_MAIN, str(os.getpid()), stage, str(config)],
+        with subprocess.Popen([sys.executable, "-c", CHILD_MAIN, str(os.getpid()), command, str(config)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True, bufsize=1) as child:
             try:
                 for line in child.stdout:
-                    sys.stdout.write(line)
+                    out.write(line)
+                out.flush()
                 rc = child.wait()
             except BaseException:  # Ctrl-C or an error here: the engine must not outlive this rank
                 _stop(child)
@@ -267,8 +286,16 @@ def run_alone(stage: str, stage_cfg: EyasConfig) -> int:
     finally:
         config.unlink(missing_ok=True)
     if rc not in (0, 1):  # 1: a complete extract that skipped samples, judged like the stage's own return
-        raise EyasError(f"{stage} in vLLM stopped with exit status {rc} (its error is printed above)")
-    return rc
+        raise EyasError(f"{what} in vLLM stopped with exit status {rc} (its error is printed above)")
+    return RanThrough(through) if through and rc == 0 else rc
+
+
+@dataclasses.dataclass(frozen=True)
+class RanThrough:
+    """A runner's answer: this stage and the ones after it up to `stage` ran (in one child process,
+    which recorded them); `_run` checks those like any earlier output."""
+
+    stage: str
 
 
 def main(cfg: EyasConfig) -> dict[str, Any]:
@@ -294,7 +321,9 @@ def teed(path: Path):
 
 def _main(cfg: EyasConfig, runner, banner: str = "") -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
-    with teed(run_dir / "run.log"):
+    from eyas import vllm_engine
+
+    with teed(run_dir / "run.log"), vllm_engine.chained_stages():
         if banner:
             print(banner, flush=True)
         return _run(cfg, run_dir, runner)
@@ -327,6 +356,8 @@ def _main_ranks(cfg: EyasConfig) -> dict[str, Any]:
 
         def runner(stage: str, stage_cfg: EyasConfig) -> Any:
             nonlocal inside
+            if one_engine(stage, stage_cfg):  # regenerate, prepare and extract on one vLLM engine
+                return run_alone(stage, cfg, through="extract")
             if in_vllm(stage, stage_cfg):
                 return run_alone(stage, stage_cfg)
             if not on_every_rank(stage, stage_cfg):
@@ -375,6 +406,8 @@ def _follow(cfg: EyasConfig, rank: int, control) -> dict[str, Any]:
 
 
 def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
+    from eyas import vllm_engine
+
     configs, stages = stage_plan(cfg)
     if cfg.stop_after and cfg.stop_after not in stages:
         raise ConfigError(f"--stop_after={cfg.stop_after}: this run has no {cfg.stop_after} stage (its stages: "
@@ -391,6 +424,7 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
     (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end or on failure
     record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
     changed = False  # a stage ran in this invocation: every later stage's output is out of date
+    ran_apart: set[str] = set()  # stages a child `eyas run` ran (RanThrough), checked as outputs here
     # the hash of the previous stage's meta.json as this run leaves it; the first stage's input is
     # the data file itself, so an edited file (same path) re-runs it
     upstream = source_fingerprint(configs[stages[0]].prepare.data)
@@ -407,9 +441,10 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
         elif state in ("done", "partial"):
             if state == "partial":
                 print(f"[eyas:run] {s}: partial output accepted ({partial_progress(s, meta)})", flush=True)
-            print(f"[eyas:run] {s}: up to date in {out}, skipped", flush=True)
-            record["stages"][s] = {"status": "skipped", "dir": str(out), **_throughput(s, meta),
-                                   "wall_s": meta.get("run_wall_s"), "partial": is_partial(meta)}
+            if s not in ran_apart:
+                print(f"[eyas:run] {s}: up to date in {out}, skipped", flush=True)
+            record["stages"][s] = {"status": "ran" if s in ran_apart else "skipped", "dir": str(out),
+                                   **_throughput(s, meta), "wall_s": meta.get("run_wall_s"), "partial": is_partial(meta)}
             upstream = artifacts.hash_json(meta)
             if s == cfg.stop_after:
                 return record
@@ -426,6 +461,8 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
         if s == "train" and resuming and not stage_cfg.train.resume:
             stage_cfg = copy.deepcopy(stage_cfg)
             stage_cfg.train.resume = "auto"
+        if s not in ("prepare", "extract"):  # an engine regenerate left for extract frees the GPUs first
+            vllm_engine.release()
         t0, started = time.perf_counter(), time.time()
         try:
             rc = runner(s, stage_cfg)
@@ -434,6 +471,13 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
             raise
         wall = time.perf_counter() - t0
         meta = artifacts.read_meta(out, s)  # a stage that wrote no complete meta.json is an error
+        if isinstance(rc, RanThrough):  # `eyas run` in a child recorded this stage and the next ones
+            upstream = artifacts.hash_json(meta)
+            record["stages"][s] = {"status": "ran", "dir": str(out), "wall_s": meta.get("run_wall_s"),
+                                   **_throughput(s, meta), "partial": is_partial(meta)}
+            ran_apart.update(stages[stages.index(s) + 1 : stages.index(rc.stage) + 1])
+            changed = False  # checked below like any earlier output: done, unless the child's run was cut short
+            continue
         meta["run_key"] = keys[s]
         meta["upstream"] = upstream
         meta["run_wall_s"] = round(wall, 2)

@@ -5,6 +5,7 @@ functions: eyas runs without it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -86,3 +87,65 @@ def shutdown(llm) -> None:
     if engine_core is not None and hasattr(engine_core, "shutdown"):
         engine_core.shutdown()
     gc.collect()
+
+
+# One engine kept between the stages of one process: `eyas run` with regenerate.backend=vllm and
+# extract.backend=vllm loads the target once (at this size a load takes many minutes); regenerate
+# parks the engine it made with extract's arguments, extract takes it.
+_PARKED: dict[str, Any] = {}
+_STAGES = {"chained": False}  # `eyas run` runs the stages: a parked engine may serve the next one
+
+
+@contextlib.contextmanager
+def chained_stages():
+    """Inside: stages of one `eyas run` follow in this process, so regenerate may park its engine for
+    extract; whatever is still parked is shut down on the way out."""
+    _STAGES["chained"] = True
+    try:
+        yield
+    finally:
+        _STAGES["chained"] = False
+        release()
+
+
+def chained() -> bool:
+    return _STAGES["chained"]
+
+
+def _comparable(kwargs: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps({k: v for k, v in kwargs.items() if k != "max_model_len"}, sort_keys=True, default=str)
+
+
+def park(llm, kwargs: dict[str, Any], note: dict[str, Any] | None = None) -> None:
+    """Keep `llm` (made with `kwargs`) for a later stage of this process; `note` travels with it."""
+    release()
+    _PARKED.update(llm=llm, kwargs=dict(kwargs), note=dict(note or {}))
+
+
+def take(kwargs: dict[str, Any]):
+    """The parked engine when it was made with these arguments (a max_model_len at least as large):
+    -> (llm, note); else the parked one is shut down and -> None."""
+    if not _PARKED:
+        return None
+    parked = _PARKED["kwargs"]
+    if _comparable(parked) == _comparable(kwargs) and parked.get("max_model_len", 0) >= kwargs.get("max_model_len", 0):
+        llm, note = _PARKED["llm"], _PARKED["note"]
+        _PARKED.clear()
+        return llm, note
+    release()
+    return None
+
+
+def parked_note() -> dict[str, Any] | None:
+    """The note of the parked engine, if one is parked."""
+    return dict(_PARKED["note"]) if _PARKED else None
+
+
+def release() -> None:
+    """Shut the parked engine down, if any (before another engine or a stage that needs the GPUs)."""
+    if _PARKED:
+        llm = _PARKED["llm"]
+        _PARKED.clear()
+        shutdown(llm)

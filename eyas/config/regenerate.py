@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 
 from eyas.config.base import require
 
-BACKENDS = ("hf", "server")
+BACKENDS = ("hf", "vllm", "server")
 
 
 @dataclass
@@ -14,8 +14,10 @@ class RegenerateConfig:
     reads the regenerate stage's conversations.jsonl: in regenerate.out_dir, else RUN_DIR/regenerate).
     `eyas regenerate` always runs."""
     backend: str = "hf"
-    """hf: in-process transformers `generate` (batched, KV cache); server: any OpenAI-compatible
-    `/v1/chat/completions` endpoint (vllm serve, SGLang) at `server_url`."""
+    """hf: in-process transformers `generate` (batched, KV cache); vllm: vLLM's offline engine in this
+    process, with extract's vLLM settings (extract.vllm_tensor_parallel_size, vllm_engine_args, ...);
+    with extract.backend=vllm, `eyas run` loads the target once for both stages; server: any
+    OpenAI-compatible `/v1/chat/completions` endpoint (vllm serve, SGLang) at `server_url`."""
     max_new_tokens: int = 512
     """Most tokens generated per assistant turn."""
     temperature: float = 0.0
@@ -99,8 +101,8 @@ class RegenerateConfig:
         require(self.retries >= 0, f"regenerate.retries={self.retries} must be >= 0")
         require(self.max_prompt_tokens >= 8, f"regenerate.max_prompt_tokens={self.max_prompt_tokens} is too small")
         require(self.self_prompts >= 0, f"regenerate.self_prompts={self.self_prompts} must be >= 0 (0 = none)")
-        require(self.self_prompts == 0 or self.backend == "hf",
-                f"regenerate.self_prompts={self.self_prompts} needs regenerate.backend=hf (the target samples "
+        require(self.self_prompts == 0 or self.backend in ("hf", "vllm"),
+                f"regenerate.self_prompts={self.self_prompts} needs regenerate.backend=hf or vllm (the target samples "
                 "from its own chat template's text, which a chat-completions server does not take)")
         require(self.self_prompt_temperature >= 0,
                 f"regenerate.self_prompt_temperature={self.self_prompt_temperature} must be >= 0")

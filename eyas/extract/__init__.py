@@ -212,7 +212,11 @@ def _check_disk(s: Setup, rank: int, world_size: int, n: int) -> None:
 
 def make_backend(cfg: EyasConfig, setup: Setup, device: torch.device):
     if cfg.extract.backend == "vllm":
-        if vllm_proxy.wanted(cfg.extract):  # before the target's own load, which may take many minutes
+        parked = vllm_engine.parked_note()  # regenerate's engine, when it ran in this process (its proxy check too)
+        if parked and parked.get("proxy"):
+            setup.proxy = parked["proxy"]
+        elif vllm_proxy.wanted(cfg.extract):  # before the target's own load, which may take many minutes
+            vllm_engine.release()
             setup.proxy = vllm_proxy.check_proxy(cfg, setup, vllm_backend.make_vllm_backend)
         return vllm_backend.make_vllm_backend(cfg, setup, int(setup.prepared.lengths.max()))
     model = load_model(cfg.target, device=None if cfg.extract.device_map else device,

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from eyas import vllm_engine
 from eyas.capture import find_final_norm
 from eyas.config.target import TargetConfig
 from eyas.errors import ConfigError, EyasError, exception_message
@@ -388,8 +389,8 @@ class VLLMBackend:
 
 
 def make_vllm_backend(cfg, setup, longest: int) -> VLLMBackend:
-    """Start the engine for an extract run (after preflight); states are returned in setup.store_dtype."""
-    from vllm import LLM
+    """Start the engine for an extract run (after preflight), or take the one regenerate parked with
+    the same arguments; states are returned in setup.store_dtype."""
     from vllm.platforms import current_platform
 
     from eyas.extract.backend import HFBackend
@@ -401,18 +402,18 @@ def make_vllm_backend(cfg, setup, longest: int) -> VLLMBackend:
                        setup.compute_dtype, scratch, cpu=cpu, hf_config=load_hf_config(cfg.target).to_dict())
     if cpu:
         bind_cpu_threads(int(kw["tensor_parallel_size"]) * int(kw["pipeline_parallel_size"]), "extract")
-    print(f"[eyas:extract] vLLM {vllm_version()}: starting the engine ({kw['kv_transfer_config']['kv_connector']}, "
-          f"TP {kw['tensor_parallel_size']} x PP {kw['pipeline_parallel_size']}, {kw['dtype']}, "
-          f"max_model_len {kw['max_model_len']}); request files under {scratch}", flush=True)
     norm = load_final_norm(cfg.target, setup.compute_dtype)
-    try:
-        llm = LLM(**kw)
-    except Exception as e:  # vLLM's own message says what it could not do; keep it and its traceback
-        hint = ("; vLLM's extract_hidden_states method does not implement pipeline parallelism: use "
-                "--extract.vllm_tensor_parallel_size instead" if "Pipeline parallelism is not supported" in str(e)
-                else "")
-        raise EyasError(f"vLLM could not start the engine for target.model={cfg.target.model!r}: {type(e).__name__}: "
-                        f"{exception_message(e)}{hint} (engine arguments: extract.vllm_*; vLLM's log above)") from e
+    parked = vllm_engine.take(kw)
+    if parked is not None:
+        llm, note = parked
+        print(f"[eyas:extract] the vLLM engine {note.get('made_by', 'an earlier stage')} started with these arguments "
+              f"serves extraction too (no second load); request files under {scratch}", flush=True)
+        setup.proxy = setup.proxy or note.get("proxy")
+    else:
+        print(f"[eyas:extract] vLLM {vllm_version()}: starting the engine ({kw['kv_transfer_config']['kv_connector']}, "
+              f"TP {kw['tensor_parallel_size']} x PP {kw['pipeline_parallel_size']}, {kw['dtype']}, "
+              f"max_model_len {kw['max_model_len']}); request files under {scratch}", flush=True)
+        llm = start_engine(cfg, kw)
 
     def reference() -> HFBackend:
         print("[eyas:extract] loading the target through transformers on CPU for the parity check", flush=True)
@@ -423,14 +424,45 @@ def make_vllm_backend(cfg, setup, longest: int) -> VLLMBackend:
                        setup.prepared.ids, reference if wants_reference else None, scratch)
 
 
+def start_engine(cfg, kw: dict[str, Any]):
+    """`vllm.LLM(**kw)`; a failure names the target and the keys that set the engine's arguments."""
+    from vllm import LLM
+
+    try:
+        return LLM(**kw)
+    except Exception as e:  # vLLM's own message says what it could not do; keep it and its traceback
+        hint = ("; vLLM's extract_hidden_states method does not implement pipeline parallelism: use "
+                "--extract.vllm_tensor_parallel_size instead" if "Pipeline parallelism is not supported" in str(e)
+                else "")
+        raise EyasError(f"vLLM could not start the engine for target.model={cfg.target.model!r}: {type(e).__name__}: "
+                        f"{exception_message(e)}{hint} (engine arguments: extract.vllm_*; vLLM's log above)") from e
+
+
 def scratch_dir(cfg, out: Path) -> Path:
-    """An empty DIR/vllm-scratch for the engine's request files (DIR = extract.vllm_scratch_dir or the
-    output directory); leftovers of a killed run are deleted. Each file lives for one batch."""
-    path = (Path(cfg.extract.vllm_scratch_dir) if cfg.extract.vllm_scratch_dir else out) / SCRATCH
+    """An empty DIR/vllm-scratch for the engine's request files (DIR = extract.vllm_scratch_dir, else
+    the directory that holds the output directory: regenerate's engine, made for extract too, writes
+    there before extract claims its own directory); leftovers of a killed run are deleted. Each file
+    lives for one batch."""
+    path = (Path(cfg.extract.vllm_scratch_dir) if cfg.extract.vllm_scratch_dir else out.parent) / SCRATCH
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)
     return path
+
+
+def discard_request(path: str | Path) -> None:
+    """Delete a request's hidden-states file that nobody reads (regenerate on extract's engine), once
+    the connector's writer thread has finished it (its lock)."""
+    path = Path(path)
+    lock = path.with_name(path.name + ".lock")
+    try:
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)
+    except FileNotFoundError:  # written already (no lock left) or never
+        pass
+    finally:
+        path.unlink(missing_ok=True)
+        lock.unlink(missing_ok=True)
 
 
 def check_reference_memory(cfg) -> None:

@@ -145,7 +145,12 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     # checked what is cheap: from here the output is incomplete until this run finishes
     (out / "meta.json").unlink(missing_ok=True)
     artifacts.atomic_write_text(out / "config.yaml", dump_config(cfg))
-    backend = ServerBackend(cfg) if rc.backend == "server" else HFBackend(cfg, tok)
+    if rc.backend == "vllm":
+        from eyas.regenerate.vllm_backend import VLLMBackend
+
+        backend = VLLMBackend(cfg, tok)
+    else:
+        backend = ServerBackend(cfg) if rc.backend == "server" else HFBackend(cfg, tok)
     t0 = time.perf_counter()  # the budget counts sampling self-written user turns too
     own: list[Conversation] = []
     self_counts: dict[str, Any] = {}
@@ -177,6 +182,8 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         bar.set_postfix(tok_s=f"{counts['new_tokens'] / max(time.perf_counter() - t0, 1e-9):,.0f}")
     bar.close()
     seconds = time.perf_counter() - t0
+    if rc.backend == "vllm":
+        backend.close()  # parked for extract under `eyas run` with extract.backend=vllm, else shut down
     total = len(read_done(path))
     summary = {
         "conversations_in": len(convs),

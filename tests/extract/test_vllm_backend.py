@@ -76,8 +76,9 @@ def test_only_the_vllm_backend_modules_import_vllm():
     root = Path(__file__).resolve().parents[2] / "eyas"
     importers = sorted(str(f.relative_to(root)) for f in root.rglob("*.py")
                        if any(line.strip().startswith(("import vllm", "from vllm")) for line in f.read_text().splitlines()))
-    assert importers == ["evaluate/vllm.py", "extract/vllm_backend.py", "extract/vllm_connector.py", "vllm_engine.py"]
-    for name in ("evaluate/vllm.py", "extract/vllm_backend.py", "vllm_engine.py"):  # only inside functions
+    assert importers == ["evaluate/vllm.py", "extract/vllm_backend.py", "extract/vllm_connector.py",
+                         "regenerate/vllm_backend.py", "vllm_engine.py"]
+    for name in ("evaluate/vllm.py", "extract/vllm_backend.py", "regenerate/vllm_backend.py", "vllm_engine.py"):  # only inside functions
         assert not [line for line in (root / name).read_text().splitlines() if line.startswith(("import vllm", "from vllm"))]
 
 
@@ -231,7 +232,7 @@ def test_vllm_output_is_an_ordinary_extract_that_says_vllm(runs):
     index_v = json.loads((runs["vllm"] / "extract" / "index.json").read_text())
     index_h = json.loads((runs["hf"] / "extract" / "index.json").read_text())
     assert index_v["length"] == index_h["length"]
-    assert not (runs["vllm"] / "extract" / vllm_backend.SCRATCH).exists()  # request files cleaned up
+    assert not (runs["vllm"] / vllm_backend.SCRATCH).exists()  # request files cleaned up
     assert "CPUHiddenStatesConnector" in runs["log"]  # chosen automatically: no GPU here
 
 

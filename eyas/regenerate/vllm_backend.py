@@ -1,0 +1,161 @@
+"""Regenerate's vLLM backend: the target in vLLM's offline engine, in this process.
+
+    .venv-vllm/bin/eyas regenerate recipe.yaml --regenerate.backend=vllm
+    eyas run recipe.yaml --regenerate.backend=vllm --extract.backend=vllm    # one engine load for both
+
+For targets only vLLM runs fast enough (tensor / expert parallel over the GPUs of one host): the
+engine takes extract's vLLM settings (extract.vllm_tensor_parallel_size, vllm_engine_args, ...).
+Prompts are the token ids eyas renders with the target's chat template (the same prompts as the hf
+backend), so the chat template, not the engine, decides what the target sees; answers are decoded
+with the target's tokenizer, their thinking block kept apart (as the hf backend does).
+
+With extract.backend=vllm the engine is the one extraction needs (the hidden-states method and its
+connector, extract's arguments): under `eyas run` regenerate leaves it to extract, so a target whose
+load takes many minutes loads once. The connector then writes each request's prompt states; they
+are deleted as each batch returns. extract.vllm_proxy_parity's check runs here first, before the
+target loads, as extract would run it.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+from eyas.chat import split_think
+from eyas.config import EyasConfig
+from eyas.errors import EyasError, exception_message
+from eyas.regenerate.backends import Answer, Sampling, decode_keeping, marker_ids
+
+
+class VLLMBackend:
+    """`generate(token prompts, sampling) -> [Answer]` on a vLLM engine."""
+
+    def __init__(self, cfg: EyasConfig, tok):
+        from vllm.platforms import current_platform
+
+        from eyas import vllm_engine
+        from eyas.target import model_path
+
+        rc = cfg.regenerate
+        self.rc, self.tok, self.seed = rc, tok, cfg.seed
+        self.eos = eos_ids(model_path(cfg.target), tok)
+        self.think_ids = marker_ids(tok)
+        self.answers = Sampling(rc.temperature, rc.top_p, rc.max_new_tokens)
+        self.shared = cfg.extract.backend == "vllm"
+        cpu = current_platform.is_cpu()
+        self.kwargs, self.scratch, proxy = engine_for(cfg, cpu, self.shared)
+        if cpu:
+            vllm_engine.bind_cpu_threads(int(self.kwargs["tensor_parallel_size"])
+                                         * int(self.kwargs["pipeline_parallel_size"]), "regenerate")
+        taken = vllm_engine.take(self.kwargs)
+        if taken is not None:
+            self.llm = taken[0]
+        else:
+            from eyas.extract.vllm_backend import start_engine, vllm_version
+
+            print(f"[eyas:regenerate] vLLM {vllm_version()}: starting the engine (TP "
+                  f"{self.kwargs['tensor_parallel_size']}, {self.kwargs['dtype']}, max_model_len "
+                  f"{self.kwargs['max_model_len']}{', with extraction' if self.shared else ''})", flush=True)
+            self.llm = start_engine(cfg, self.kwargs)
+        self.note = {"made_by": "regenerate", "proxy": proxy}
+        self._sent = 0
+
+    def generate(self, prompts_ids: list[list[int]], sampling: Sampling | None = None) -> list[Answer]:
+        """Continuations of the token prompts; `sampling` defaults to the answers' settings."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        s = sampling or self.answers
+        params = []
+        for _ in prompts_ids:  # a seed per request: sampled answers repeat whatever the batching
+            params.append(SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature,
+                                         top_p=s.top_p if s.temperature > 0 else 1.0, stop_token_ids=list(self.eos),
+                                         seed=self.seed + self._sent, detokenize=False))
+            self._sent += 1
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts_ids], params,
+                                     use_tqdm=False)
+        except Exception as e:  # the engine's own traceback is in vLLM's log; this names the stage and batch
+            raise EyasError(f"regenerate: the vLLM engine failed on a batch of {len(prompts_ids)} prompts: "
+                            f"{type(e).__name__}: {exception_message(e)} (vLLM's log above)") from e
+        answers = []
+        for out in outs:
+            self._drop_states(out)
+            o = out.outputs[0]
+            ids = list(o.token_ids)
+            reason = "stop" if o.finish_reason == "stop" else "length"
+            if sampling is not None and sampling is not self.answers:
+                answers.append(Answer(self.tok.decode(ids, skip_special_tokens=True).strip(), len(ids), reason))
+                continue
+            reasoning, text = split_think(decode_keeping(self.tok, ids, self.think_ids))
+            answers.append(Answer(text.strip(), len(ids), reason, reasoning.strip()))
+        return answers
+
+    def _drop_states(self, out) -> None:
+        """The prompt states the extraction connector wrote for a request (shared engine): not needed here."""
+        from eyas.extract.vllm_backend import discard_request
+
+        path = (getattr(out, "kv_transfer_params", None) or {}).get("hidden_states_path")
+        if path:
+            discard_request(path)
+
+    def close(self) -> None:
+        """Park the engine for extract when `eyas run` runs it next in this process, else shut it down."""
+        from eyas import vllm_engine
+
+        llm, self.llm = self.llm, None
+        if self.shared and vllm_engine.chained():
+            vllm_engine.park(llm, self.kwargs, self.note)
+        else:
+            vllm_engine.shutdown(llm)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def engine_for(cfg: EyasConfig, cpu: bool, shared: bool):
+    """-> (engine arguments, scratch dir or None, the proxy check's record or None). Shared: extract's
+    engine for this target, with room for the longest prompt and answer regenerate makes and for
+    prepare's longest sample; else the same arguments without the hidden-states method."""
+    import torch
+
+    from eyas.capture import check_layer_ids, default_layer_ids
+    from eyas.extract import Setup, vllm_proxy
+    from eyas.extract.vllm_backend import engine_kwargs, make_vllm_backend, scratch_dir
+    from eyas.target import load_config, load_hf_config, resolve_dtype
+
+    ec, rc = cfg.extract, cfg.regenerate
+    conf = load_config(cfg.target)
+    num_layers = int(conf.num_hidden_layers)
+    layer_ids = check_layer_ids(ec.layer_ids or default_layer_ids(num_layers), num_layers)
+    dtype = resolve_dtype(cfg.target.dtype)
+    # extract's engine holds prepare's longest sample + 1 (or extract.vllm_max_model_len): at least that
+    need = max(rc.max_prompt_tokens + rc.max_new_tokens, ec.vllm_max_model_len or cfg.prepare.max_length + 1)
+    out = cfg.stage_dir("extract")
+    proxy = None
+    if shared and vllm_proxy.wanted(ec):  # before the target's own load, as extract would
+        stored = dtype if ec.store_dtype == "auto" else getattr(torch, ec.store_dtype)
+        setup = Setup(out, None, layer_ids, num_layers, int(conf.hidden_size), dtype, stored, {}, [], [], [])
+        proxy = vllm_proxy.check_proxy(cfg, setup, make_vllm_backend)
+    scratch = scratch_dir(cfg, out) if shared else None
+    kw = engine_kwargs(cfg, layer_ids, num_layers, need, dtype, scratch or out, cpu=cpu,
+                       hf_config=load_hf_config(cfg.target).to_dict())
+    if not shared:
+        kw.pop("speculative_config")
+        kw.pop("kv_transfer_config")
+    return kw, scratch, proxy
+
+
+def eos_ids(path: str, tok) -> list[int]:
+    """The ids that end an answer: generation_config.json's eos_token_id and the tokenizer's."""
+    from transformers import GenerationConfig
+
+    ids: set[int] = set()
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    except OSError:  # no generation_config.json: the tokenizer's alone
+        pass
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    if not ids:
+        raise EyasError("the target defines no eos token (generation_config.eos_token_id / tokenizer.eos_token)")
+    return sorted(ids)
