@@ -123,14 +123,15 @@ DEEPSEEK_V3_YARN = {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0
 """YaRN as DeepSeek-V3's config.json ships it."""
 
 
-def save_deepseek_v3(out: str | Path, tokenizer_dir: str | Path, q_lora_rank: int | None = None, yarn: bool = True,
-                     seed: int = 0) -> Path:
+def save_deepseek_v3(out: str | Path, tokenizer_dir: str | Path | None, q_lora_rank: int | None = None,
+                     yarn: bool = True, seed: int = 0, vocab: int = VOCAB) -> Path:
     """A DeepSeek-V3 with the real MLA head sizes (kv_lora_rank 512, qk_rope 64, qk_nope 128, v 128:
     vLLM's CPU MLA kernel takes only a 576-wide latent) and everything else tiny (hidden 256, 2
     heads, 4 layers, the first dense, 4 routed experts + 1 shared, 2 per token), random weights
     (non-embedding matrices N(0, 0.08), the routers' correction bias N(0, 0.1)), saved with the
-    SmolLM2 tokenizer. config.json is written in DeepSeek's own form: topk_method noaux_tc,
-    scoring_func sigmoid, rope_theta and rope_scaling (YaRN as DeepSeek ships it when `yarn`)."""
+    SmolLM2 tokenizer (none when `tokenizer_dir` is None). config.json is written in DeepSeek's own
+    form: topk_method noaux_tc, scoring_func sigmoid, rope_theta and rope_scaling (YaRN as DeepSeek
+    ships it when `yarn`)."""
     import json
 
     import transformers as tf
@@ -138,7 +139,7 @@ def save_deepseek_v3(out: str | Path, tokenizer_dir: str | Path, q_lora_rank: in
     out = Path(out)
     torch.manual_seed(seed)
     cfg = tf.DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
+        vocab_size=vocab, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
         n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=q_lora_rank, kv_lora_rank=512,
         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, tie_word_embeddings=False,
@@ -153,7 +154,8 @@ def save_deepseek_v3(out: str | Path, tokenizer_dir: str | Path, q_lora_rank: in
             elif p.dim() >= 2 and "embed" not in name:
                 p.normal_(0, 0.08)
     model.save_pretrained(str(out), safe_serialization=True)
-    tf.AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
+    if tokenizer_dir is not None:
+        tf.AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
     config = json.loads((out / "config.json").read_text())
     rope = config.pop("rope_parameters", None) or {}
     config["rope_theta"] = rope.get("rope_theta", 10000.0)
@@ -303,8 +305,8 @@ KIMI_K25_VISION = {  # Kimi-K2.5's vision_config in its own (remote code's) fiel
 }  # fmt: skip
 
 
-def save_kimi_k25(out: str | Path, tokenizer_dir: str | Path, q_lora_rank: int | None = 64, yarn: bool = True,
-                  seed: int = 0) -> Path:
+def save_kimi_k25(out: str | Path, tokenizer_dir: str | Path | None, q_lora_rank: int | None = 64, yarn: bool = True,
+                  seed: int = 0, vocab: int = VOCAB) -> Path:
     """A Kimi-K2.5-shaped checkpoint: `save_deepseek_v3`'s tiny DeepSeek-V3 (the same weights for the
     same arguments) inside Kimi-K2.5's multimodal wrapper, as moonshotai/Kimi-K2.5 ships it.
 
@@ -330,7 +332,8 @@ def save_kimi_k25(out: str | Path, tokenizer_dir: str | Path, q_lora_rank: int |
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        text_dir = save_deepseek_v3(Path(tmp) / "text", tokenizer_dir, q_lora_rank=q_lora_rank, yarn=yarn, seed=seed)
+        text_dir = save_deepseek_v3(Path(tmp) / "text", tokenizer_dir, q_lora_rank=q_lora_rank, yarn=yarn, seed=seed,
+                                    vocab=vocab)
         text_config = json.loads((text_dir / "config.json").read_text())
         with safe_open(str(text_dir / "model.safetensors"), "pt") as f:
             names = f.keys()

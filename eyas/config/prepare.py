@@ -24,7 +24,9 @@ class PrepareConfig:
     reasoning: str = "keep"
     """keep: assistant reasoning (`reasoning_content`/`reasoning` on a message, or an inline
     `<think>...</think>` block) is rendered by the chat template and masked in where the template
-    shows it (a template that drops the last assistant turn's reasoning is an error); drop: remove
+    shows it (a template that drops the last assistant turn's reasoning but renders an empty
+    `<think></think>` there, as Kimi's does, gets it written in; one that renders neither is an
+    error); drop: remove
     it and train on the answers alone (counted as reasoning_dropped)."""
     max_length: int = 2048
     """Tokens per sample; longer conversations are truncated (counted in meta.json)."""

@@ -101,8 +101,8 @@ class RegenerateConfig:
         require(self.retries >= 0, f"regenerate.retries={self.retries} must be >= 0")
         require(self.max_prompt_tokens >= 8, f"regenerate.max_prompt_tokens={self.max_prompt_tokens} is too small")
         require(self.self_prompts >= 0, f"regenerate.self_prompts={self.self_prompts} must be >= 0 (0 = none)")
-        require(self.self_prompts == 0 or self.backend in ("hf", "vllm"),
-                f"regenerate.self_prompts={self.self_prompts} needs regenerate.backend=hf or vllm (the target samples "
+        require(self.self_prompts == 0 or self.backend == "hf",
+                f"regenerate.self_prompts={self.self_prompts} needs regenerate.backend=hf (the target samples "
                 "from its own chat template's text, which a chat-completions server does not take)")
         require(self.self_prompt_temperature >= 0,
                 f"regenerate.self_prompt_temperature={self.self_prompt_temperature} must be >= 0")
