@@ -53,6 +53,19 @@ def hf_overrides(hf_config: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+def target_kwargs(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """Engine arguments the target's config.json (`hf_config`, as a dict) asks for: a multimodal
+    wrapper (Kimi-K2.5: a nested `text_config`) runs its language model alone (`language_model_only`:
+    prompts are token ids without media, the vision tower is neither built nor read), with the
+    `hf_overrides` of its text config nested; any other target gets its own `hf_overrides`."""
+    text_config = hf_config.get("text_config")
+    if isinstance(text_config, dict):
+        overrides = hf_overrides(text_config)
+        return {"language_model_only": True, **({"hf_overrides": {"text_config": overrides}} if overrides else {})}
+    overrides = hf_overrides(hf_config)
+    return {"hf_overrides": overrides} if overrides else {}
+
+
 def cpu_thread_binding(world: int, cores: list[int]) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for `world` CPU workers: `cores` (this process's) in `world`
     contiguous groups, e.g. "0|1" or "0-3|4-7". vLLM's own default binds one worker per NUMA node

@@ -37,7 +37,7 @@ from eyas.evaluate.inputs import render, stop_token_ids
 from eyas.evaluate.lossless import tie_scale, tie_tolerance
 from eyas.evaluate.report import collect_results
 from eyas.spec import Generation, SpecStats
-from eyas.target import load_config, load_tokenizer, model_path, resolve_dtype
+from eyas.target import load_config, load_hf_config, load_tokenizer, model_path, resolve_dtype
 
 SPEC_COUNTERS = {
     "vllm:spec_decode_num_drafts": "drafts",
@@ -77,7 +77,7 @@ def served_draft(files: DraftFiles, cfg: EyasConfig, out_dir: Path) -> Path:
     tcfg = load_config(cfg.target)
     written = export_draft(open_draft(files.dir), out_dir / "vllm-draft", ("speculators",), "float32",
                            num_target_layers=tcfg.num_hidden_layers, verifier=model_path(cfg.target),
-                           verifier_arch=list(getattr(tcfg, "architectures", None) or []),
+                           verifier_arch=list(getattr(load_hf_config(cfg.target), "architectures", None) or []),
                            num_speculative_tokens=cfg.evaluate.num_draft_tokens)
     return written["speculators"]
 
@@ -97,9 +97,7 @@ def engine(cfg: EyasConfig, draft: Path | None, max_len: int, cpu: bool):
         "disable_log_stats": False, "logprobs_mode": "raw_logits",
         **vllm_engine.platform_kwargs(cpu),
     }
-    overrides = vllm_engine.hf_overrides(load_config(cfg.target).to_dict())
-    if overrides:
-        kw["hf_overrides"] = overrides
+    kw.update(vllm_engine.target_kwargs(load_hf_config(cfg.target).to_dict()))  # a wrapper: its language model
     if draft is not None:
         kw["speculative_config"] = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": ec.num_draft_tokens}
     kw.update(ec.vllm_engine_args)

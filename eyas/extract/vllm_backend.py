@@ -57,7 +57,7 @@ from eyas.errors import ConfigError, EyasError, exception_message
 from eyas.extract.plan import Batch
 from eyas.extract.profile import NULL_TIMER, NullTimer
 from eyas.target import model_path, resolve_dtype
-from eyas.vllm_engine import DEEPSEEK_TYPES, bind_cpu_threads, hf_overrides, platform_kwargs, shutdown
+from eyas.vllm_engine import DEEPSEEK_TYPES, bind_cpu_threads, platform_kwargs, shutdown
 
 CPU_CONNECTOR = ("eyas.extract.vllm_connector", "CPUHiddenStatesConnector")
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
@@ -114,15 +114,7 @@ def engine_kwargs(cfg, layer_ids: list[int], num_layers: int, max_model_len: int
                                "kv_connector_extra_config": {"shared_storage_path": str(scratch)}},
     }
     kw.update(platform_kwargs(cpu))
-    hf_config = hf_config or {}
-    text_config = hf_config.get("text_config")
-    if isinstance(text_config, dict):  # a multimodal wrapper (Kimi-K2.5): its text model runs, no vision tower
-        kw["language_model_only"] = True  # prompts are token ids without media: the tower is neither built nor read
-        overrides = hf_overrides(text_config)
-        if overrides:
-            kw["hf_overrides"] = {"text_config": overrides}
-    elif overrides := hf_overrides(hf_config):
-        kw["hf_overrides"] = overrides
+    kw.update(vllm_engine.target_kwargs(hf_config or {}))
     kw.update(ec.vllm_engine_args)
     return kw
 
