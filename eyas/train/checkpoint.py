@@ -4,6 +4,10 @@
     trainer.pt                             optimizer, scheduler, step, epoch, data position,
                                            RNG states (python, numpy, torch, cuda), world size
 
+trainer.pt is read with `torch.load(weights_only=True)`: tensors, numbers, strings and containers,
+plus the numpy array of the numpy RNG state (`SAFE_GLOBALS`), never a callable, so a checkpoint
+someone shares cannot run code on `--train.resume`. A file that needs more is refused naming it.
+
 A checkpoint is written into a temporary sibling directory which is renamed into place when it
 is complete, so `latest()` never sees a partial one (a kill -9 mid-write leaves only a
 `.tmp-*` directory, removed on the next save). Full (unsharded) state dicts are gathered on
@@ -14,6 +18,7 @@ module, DDP and FSDP2; rank 0 writes.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import shutil
@@ -34,6 +39,21 @@ TRAINER_STATE = "trainer.pt"
 TRAINER_FIELDS = ("step", "epoch", "window", "world_size", "total_steps", "train_split", "all_runs", "init_from",
                   "optimizer", "scheduler", "rng")
 """What `load` needs from trainer.pt (train.loop.save writes them)."""
+
+
+def _numpy_globals() -> list:
+    """What the numpy RNG state (an ndarray of uint32) unpickles through, under the names numpy 2
+    and numpy 1 write: they build an array and nothing else."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct
+    return [np.ndarray, np.dtype, type(np.dtype(np.uint32)), (_reconstruct, "numpy._core.multiarray._reconstruct"),
+            (_reconstruct, "numpy.core.multiarray._reconstruct")]
+
+
+SAFE_GLOBALS = _numpy_globals()
+"""Allowed in trainer.pt besides what torch.load(weights_only=True) allows by default."""
 
 
 def _options(cpu: bool = True):
@@ -131,13 +151,32 @@ def resolve_resume(resume: str, ckpt_root: Path) -> Path | None:
     return path
 
 
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    """Checkpoint `path`'s trainer.pt as plain data; a file holding anything else (a pickled callable
+    would run on load) is an ArtifactError naming it, raised before any of it runs."""
+    file = path / TRAINER_STATE
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's reason ("Unsupported global: GLOBAL io.open was not an allowed global by default.
+        # Please use `torch.serialization.add_safe_globals`..."): its first sentence
+        why = (str(e).partition("WeightsUnpickler error:")[2].strip() or str(e)).splitlines()[0]
+        why = why.split(" was not an allowed global")[0].split(". ")[0]
+        raise ArtifactError(
+            f"{file} is not plain training state ({why}): eyas loads "
+            "checkpoints without running code from them and does not load this one. If eyas wrote it, it is "
+            "damaged: remove the checkpoint to resume from the previous one; otherwise start a new run from its "
+            f"weights (draft.safetensors) with --train.init_from={path}") from e
+
+
 def load(path: Path, model: nn.Module, optimizer, scheduler) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG from `path` (every rank); -> trainer state."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     try:
-        state = torch.load(path / TRAINER_STATE, map_location="cpu", weights_only=False)
+        state = read_trainer_state(path)
         msd = load_file(str(path / "draft.safetensors"))
     except (OSError, RuntimeError) as e:
         raise ArtifactError(f"checkpoint {path} is unreadable ({e}); remove it to resume from the previous one") from e

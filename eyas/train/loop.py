@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from eyas.artifacts import hash_json
+from eyas.artifacts import atomic_write_text, hash_json
 from eyas.config import TrainConfig
 from eyas.distributed import all_reduce_sum, rank0_flag
 from eyas.draft import DraftConfig, Eagle3Draft
-from eyas.errors import EyasError, exception_message, record_error
+from eyas.errors import ArtifactError, EyasError, exception_message, record_error
 from eyas.train import checkpoint
 from eyas.train.data import Batch, batch_loader, epoch_batches
 from eyas.train.loss import acceptance_length, chain_length, step_terms, step_weights, teacher_targets, weighted_loss
@@ -309,6 +309,28 @@ class Lookahead:
         self.windows.close()
 
 
+def metrics_up_to(path: Path, step: int) -> list[str]:
+    """The lines of metrics.jsonl at `path` with records up to `step`. A torn last line (a crash or a
+    full disk mid-write; zeros a filesystem left after a power cut) is cut off with a note; a
+    malformed line before it is an ArtifactError naming file:line."""
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    numbered = [(n, ln) for n, ln in enumerate(lines, 1) if ln.strip()]
+    keep = []
+    for n, ln in numbered:
+        try:
+            past = json.loads(ln)["step"] > step
+        except (ValueError, TypeError, KeyError) as e:
+            if n == numbered[-1][0]:
+                print(f"[eyas:train] note: {path}:{n} is a torn record ({type(e).__name__}: {e}), left by a run "
+                      "that died writing it: cut off", flush=True)
+                break
+            raise ArtifactError(f"{path}:{n} is not a metrics record ({type(e).__name__}: {e}): delete or repair "
+                                "that line, then resume again") from e
+        if not past:
+            keep.append(ln)
+    return keep
+
+
 class MetricsLog:
     """metrics.jsonl (rank 0), optionally mirrored to TensorBoard."""
 
@@ -317,8 +339,7 @@ class MetricsLog:
         if rank != 0:
             return
         if path.exists():  # drop records past the checkpoint we resume from (a killed run wrote them)
-            keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= resume_step]
-            path.write_text("".join(ln + "\n" for ln in keep))
+            atomic_write_text(path, "".join(ln + "\n" for ln in metrics_up_to(path, resume_step)))
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -24,8 +24,7 @@ def test_a_checkpoint_between_logging_steps_counts_the_window_in_progress(tmp_pa
     run(cfg)
     recs = read_metrics(cfg.stage_dir("train"))
     assert [r["step"] for r in recs] == [2, 4]
-    state = torch.load(cfg.stage_dir("train") / "checkpoints" / "step_0000003" / checkpoint.TRAINER_STATE,
-                       weights_only=False)
+    state = checkpoint.read_trainer_state(cfg.stage_dir("train") / "checkpoints" / "step_0000003")
     work = state["all_runs"]
     assert (work["runs"], work["steps"]) == (1, 3)
     # steps 1-2 (the first window) and step 3, short of the second window's step 4
@@ -42,7 +41,7 @@ def test_a_checkpoint_without_the_trainer_fields_is_refused_naming_init_from(tmp
     cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=2", "--train.save_every=1")
     run(cfg)
     ckpt = cfg.stage_dir("train") / "checkpoints" / "step_0000002"
-    state = torch.load(ckpt / checkpoint.TRAINER_STATE, weights_only=False)
+    state = checkpoint.read_trainer_state(ckpt)
     del state["all_runs"]
     torch.save(state, ckpt / checkpoint.TRAINER_STATE)
     again = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=3",
