@@ -420,6 +420,7 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
             raise ConfigError(f"--{stage}.{key}={given} lies inside this run's {stage} directory "
                               f"{cfg.stage_dir(stage).resolve()}, which the {stage} stage replaces when it runs: copy "
                               f"it elsewhere first, or give a new --run_dir")
+    preflight(cfg, stages[: stages.index(cfg.stop_after) + 1] if cfg.stop_after else stages)
     print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
     (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end or on failure
     record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
@@ -505,10 +506,91 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
     return record
 
 
+def preflight(cfg: EyasConfig, stages: list[str]) -> None:
+    """Before the first stage of `eyas run`: every check of the stages to run (`stages`) that needs
+    only the config, the target's config.json (a multimodal wrapper's text config) and files the
+    config names, so that a setting a later stage refuses at its start fails the run before the
+    earlier stages have spent their time. A ConfigError naming the flag to change."""
+    from eyas.capture import check_layer_ids, default_layer_ids
+    from eyas.target import load_config as target_config
+
+    tc = cfg.target
+    if tc.chat_template.endswith(".jinja") and not Path(tc.chat_template).is_file():  # as load_tokenizer says
+        raise ConfigError(f"target.chat_template={tc.chat_template!r}: no such file")
+    conf = target_config(tc)  # a local target.model that does not exist: "no such directory"
+    vocab_size = int(conf.vocab_size)
+    if "prepare" in stages and cfg.prepare.draft_vocab_size > vocab_size:
+        raise ConfigError(f"prepare.draft_vocab_size={cfg.prepare.draft_vocab_size} is larger than the target "
+                          f"vocabulary ({vocab_size}); use <= {vocab_size}")
+    if "extract" not in stages and "train" not in stages:
+        return
+    n = int(conf.num_hidden_layers)
+    layer_ids = check_layer_ids(list(cfg.extract.layer_ids) or default_layer_ids(n), n)
+    if "extract" in stages and cfg.extract.device_map and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("extract.device_map splits one target over the GPUs of one process; run it without torchrun")
+    if "train" in stages:
+        _check_draft_shape(cfg, conf, layer_ids)
+    if "evaluate" in stages and cfg.evaluate.bench not in ("mtbench", "embedded:mtbench") \
+            and not Path(cfg.evaluate.bench).is_file():
+        raise ConfigError(f"evaluate.bench={cfg.evaluate.bench!r}: not `mtbench` and no such file")
+
+
+def draft_shape(cfg: EyasConfig, target_conf, layer_ids: list[int]):
+    """The DraftConfig train builds (eyas.train.build.draft_config) from the target's config and the
+    train.* shape keys (its draft vocabulary size as prepare will choose it at most)."""
+    from eyas.draft import DraftConfig
+
+    tc = cfg.train
+    shape = {"num_attention_heads": tc.num_attention_heads, "num_key_value_heads": tc.num_key_value_heads,
+             "head_dim": tc.head_dim, "intermediate_size": tc.intermediate_size, "num_layers": tc.num_layers,
+             "rope_theta": tc.rope_theta, "norm_before_residual": tc.norm_before_residual}
+    vocab = cfg.prepare.draft_vocab_size or int(target_conf.vocab_size)
+    return DraftConfig.from_target(target_conf, vocab, layer_ids, **shape)
+
+
+def _check_draft_shape(cfg: EyasConfig, target_conf, layer_ids: list[int]) -> None:
+    """The draft's heads against its kv heads; train.init_from names a draft (its shape and vocabulary
+    wait for prepare's vocabulary: `_check_train_start`)."""
+    tc = cfg.train
+    dcfg = draft_shape(cfg, target_conf, layer_ids)
+    if dcfg.num_attention_heads % dcfg.num_key_value_heads:
+        raise ConfigError(
+            f"draft heads {dcfg.num_attention_heads} are not a multiple of its kv heads {dcfg.num_key_value_heads} "
+            f"(0 = the target's): change --train.num_attention_heads={tc.num_attention_heads} or "
+            f"--train.num_key_value_heads={tc.num_key_value_heads}"
+        )
+    if tc.init_from and tc.resume in ("", "auto"):
+        from eyas.train.init_from import init_files
+
+        init_files(tc.init_from)  # "no such directory" / "not a draft directory"
+
+
+def check_init_shape(cfg: EyasConfig) -> None:
+    """train.init_from's draft against the shape this run trains (what train refuses only when it
+    builds its draft, after extract); the draft vocabulary is `check_init_vocab`'s."""
+    from eyas.capture import check_layer_ids, default_layer_ids
+    from eyas.draft import SHAPE_FIELDS
+    from eyas.draft_files import read_config
+    from eyas.target import load_config as target_config
+    from eyas.train.init_from import init_files
+
+    tc = cfg.train
+    conf = target_config(cfg.target)
+    n = int(conf.num_hidden_layers)
+    want = draft_shape(cfg, conf, check_layer_ids(list(cfg.extract.layer_ids) or default_layer_ids(n), n)).to_dict()
+    have = read_config(init_files(tc.init_from)).to_dict()
+    fields = [k for k in SHAPE_FIELDS if k != "draft_vocab_size"]
+    diff = ", ".join(f"{k} {have[k]} there, {want[k]} here" for k in fields if have[k] != want[k])
+    if diff:
+        raise ConfigError(f"train.init_from={tc.init_from!r} is another draft shape ({diff}): set the --train.* shape "
+                          "keys (intermediate_size, num_layers, heads) and --extract.layer_ids to the draft's, or "
+                          "start without it")
+
+
 def _check_train_start(cfg: EyasConfig, configs: dict[str, EyasConfig], stages: list[str], run_dir: Path,
                        record: dict[str, Any]) -> None:
     """Before extract runs: what train would refuse only after it (its init_from draft's vocabulary
-    against prepare's), recorded as train's failure. Not when train does not run next, or resumes
+    against prepare's, then its shape), recorded as train's failure. Not when train does not run next, or resumes
     from a checkpoint the user named (init_from then goes unused)."""
     from eyas.train.init_from import check_init_vocab
 
@@ -517,6 +599,8 @@ def _check_train_start(cfg: EyasConfig, configs: dict[str, EyasConfig], stages: 
         return
     try:
         check_init_vocab(tc, configs["train"].stage_dir("prepare"))
+        if tc.init_from:
+            check_init_shape(configs["train"])
     except BaseException as e:
         print("[eyas:run] train: refused before extract runs", file=sys.stderr, flush=True)
         _record_failure(cfg, run_dir, record, "train", cfg.stage_dir("train"), e, 0.0, time.time())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,8 +16,23 @@ from eyas.config.target import TargetConfig
 from eyas.errors import ConfigError, EyasError, exception_message
 
 
+def looks_local(name: str) -> bool:
+    """Whether target.model names a local path rather than a hub id (`namespace/name`: one slash)."""
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or name.count("/") > 1 \
+        or (os.sep != "/" and os.sep in name)
+
+
 def model_path(cfg: TargetConfig) -> str:
-    return resolve_model(cfg.model)
+    """The target's directory (embedded models resolved, `~` expanded) or its hub id; a local path
+    that does not exist is a ConfigError saying so (transformers would take it for a malformed hub id)."""
+    path = resolve_model(cfg.model)
+    if looks_local(path):
+        path = os.path.expanduser(path)
+        if not Path(path).is_dir():
+            what = "not a directory" if Path(path).exists() else "no such directory"
+            raise ConfigError(f"target.model={cfg.model!r}: {what} (give a local HF model directory, a hub id "
+                              "namespace/name, or embedded:smollm2)")
+    return path
 
 
 def _hf_kwargs(cfg: TargetConfig) -> dict[str, Any]:

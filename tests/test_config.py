@@ -12,3 +12,30 @@ def test_a_moved_key_names_its_new_name():
     with pytest.raises(ConfigError, match="'train.layer_ids' is now extract.layer_ids"):
         load_config(None, ["--train.layer_ids=[1,2,3]"])
     assert load_config(None, ["--extract.layer_ids=[1,2,3]", "--train.mode=online"]).extract.layer_ids == [1, 2, 3]
+
+
+@pytest.mark.parametrize("arg", ["--train.lr=inf", "--train.lr=.inf", "--train.lr=nan", "--train.lr=-1e-4", "--train.lr=0",
+                                 "--train.weight_decay=inf", "--train.weight_decay=nan", "--train.grad_clip=inf",
+                                 "--train.warmup_ratio=nan", "--train.step_weight=inf", "--train.max_seconds=inf",
+                                 "--train.betas=[0.9,nan]", "--evaluate.temperature=inf", "--regenerate.top_p=nan"])
+def test_non_finite_or_non_positive_numbers_are_refused(arg):
+    """A learning rate of inf or nan (or <= 0), or any other float knob that is not a finite number,
+    is refused when the config is read, naming the key, not steps into training."""
+    key = arg[2:].split("=")[0]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [arg])
+
+
+def test_a_float_knob_built_in_code_is_checked_too():
+    from eyas.config import TrainConfig
+
+    for name in ("lr", "grad_clip", "weight_decay", "step_weight"):
+        with pytest.raises(ConfigError, match=f"train.{name}=inf"):
+            TrainConfig(**{name: float("inf")})
+    assert TrainConfig(lr=3e-4, grad_clip=0.0).lr == 3e-4
+    import typing
+
+    from eyas.config.train import FLOAT_KNOBS
+
+    hints = typing.get_type_hints(TrainConfig)
+    assert set(FLOAT_KNOBS) == {k for k, t in hints.items() if t is float}  # a new float knob is checked too

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from eyas.config.base import require
@@ -12,6 +13,8 @@ LOSS_KERNELS = ("auto", "eager", "compiled")
 ALIGN_NORMS = ("valid", "kept")
 INIT_VOCABS = ("same", "remap")
 INIT_HEADS = ("random", "target")
+FLOAT_KNOBS = ("step_weight", "top1_weight", "lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "grad_clip",
+               "max_seconds", "stop_by", "rope_theta", "eval_fraction")
 
 
 @dataclass
@@ -195,6 +198,9 @@ class TrainConfig:
     """Output directory; empty = RUN_DIR/train."""
 
     def __post_init__(self) -> None:
+        # from_dict refuses inf and nan already; a TrainConfig built in code gets the same check
+        for name in FLOAT_KNOBS:
+            require(math.isfinite(getattr(self, name)), f"train.{name}={getattr(self, name)} must be a finite number")
         require(self.mode in MODES, f"train.mode={self.mode!r}: choose one of {', '.join(MODES)}")
         require(self.ttt_steps >= 1, f"train.ttt_steps={self.ttt_steps} must be >= 1")
         require(self.step_weight > 0, f"train.step_weight={self.step_weight} must be > 0")
@@ -220,7 +226,7 @@ class TrainConfig:
         require(0.0 <= self.warmup_ratio < 1.0, f"train.warmup_ratio={self.warmup_ratio} must lie in [0, 1)")
         require(self.warmup_steps >= 0, f"train.warmup_steps={self.warmup_steps} must be >= 0")
         require(
-            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),  # nan fails the comparison
             f"train.betas={self.betas} must be two numbers in [0, 1), e.g. --train.betas=[0.9,0.95]",
         )
         require(self.weight_decay >= 0, f"train.weight_decay={self.weight_decay} must be >= 0")
