@@ -42,8 +42,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
+import signal
 import time
 from collections import Counter
+from dataclasses import dataclass
+from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +58,7 @@ from safetensors.torch import save_file
 from eyas import artifacts, vocab
 from eyas.chat import REASONING, Conversation, load_conversations
 from eyas.config import EyasConfig, dump_config, to_dict
-from eyas.errors import ConfigError, DataError
+from eyas.errors import ConfigError, DataError, EyasError, describe_exception
 from eyas.target import describe_target, load_tokenizer, target_vocab_size, tokenizer_hash
 
 DEFAULT_DRAFT_VOCAB = 32000
@@ -308,18 +312,145 @@ def _tokenize_chunk(job: tuple[list[Conversation], int, int]):
     return *tokenize_conversations(_WORKER_TOKENIZER, convs, max_length, batch_size, counts), counts
 
 
+def _serve(conn, target) -> None:
+    """A prepare.num_workers process: load the tokenizer, send "ready", then answer each chunk it is
+    sent until None. A failure is sent as its description (type, message, traceback: a pickled
+    exception loses its traceback) and, when it pickles, the exception itself."""
+    try:
+        _start_worker(target)
+        conn.send(("ready", None))
+        while (job := conn.recv()) is not None:
+            conn.send(("done", _tokenize_chunk(job)))
+    except Exception as e:  # sent to the parent, which raises it
+        try:
+            blob = pickle.dumps(e)
+        except Exception:  # an exception that does not pickle: the parent raises its description
+            blob = None
+        conn.send(("failed", (describe_exception(e), blob)))
+
+
+@dataclass
+class _Worker:
+    """A prepare.num_workers process, the parent's end of its pipe, and what it does."""
+
+    number: int  # 1-based, for messages
+    process: Any  # multiprocessing.Process
+    conn: Any  # multiprocessing.connection.Connection
+    ready: bool = False  # its tokenizer is loaded
+    chunk: int | None = None  # the index of the chunk it tokenizes, None when idle or starting
+
+
+class WorkerTraceback(Exception):
+    """A prepare worker's traceback, as text: the cause chained to its exception re-raised here."""
+
+
+def _run_workers(num_workers: int, target, jobs: list) -> list:
+    """_tokenize_chunk of each job on `num_workers` spawned processes -> the results in job order.
+
+    Each worker is started once and has a pipe of its own, so the parent knows which chunk every
+    worker holds and sees a death at once (the pipe closes, the process sentinel fires). A worker
+    that is killed (the OOM killer's SIGKILL) or fails to start ends prepare with an EyasError naming
+    it, its exit status and its chunk (multiprocessing.Pool respawned it and waited forever for the
+    chunk); one whose chunk raises ends it with that exception (_raise_failure)."""
+    ctx = multiprocessing.get_context("spawn")  # not fork: under `eyas run` this process may hold CUDA state
+    workers: list[_Worker] = []
+    try:
+        for number in range(1, num_workers + 1):
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(target=_serve, args=(theirs, target), name=f"eyas-prepare-{number}", daemon=True)
+            process.start()
+            theirs.close()  # the worker holds the only other end: its death closes the pipe
+            workers.append(_Worker(number, process, ours))
+        results, todo, num_done = [None] * len(jobs), iter(range(len(jobs))), 0
+        while num_done < len(jobs):
+            waiting = [w for w in workers if not w.ready or w.chunk is not None]
+            ready = connection.wait([w.conn for w in waiting] + [w.process.sentinel for w in waiting])
+            for w in waiting:
+                if w.conn not in ready and w.process.sentinel not in ready:
+                    continue
+                kind, payload = _receive(w, workers, jobs)
+                if kind == "failed":
+                    _raise_failure(w, workers, jobs, *payload)
+                if kind == "done":
+                    results[w.chunk] = payload
+                    num_done += 1
+                w.ready, w.chunk = True, next(todo, None)
+                if w.chunk is not None:
+                    w.conn.send(jobs[w.chunk])
+        return results
+    finally:  # done or failed: stop every worker (idle ones wait for a chunk that will not come)
+        for w in workers:
+            w.process.terminate()
+            w.process.join(timeout=10)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join()
+            w.conn.close()
+
+
+def _receive(w: _Worker, workers: list[_Worker], jobs: list) -> tuple[str, Any]:
+    """The worker's next message; an EyasError naming it, its exit status and its chunk if it died."""
+    try:
+        if w.conn.poll():  # a message sent before dying is still read
+            return w.conn.recv()
+    except (EOFError, OSError):  # the pipe closed: the worker is gone
+        pass
+    w.process.join(timeout=10)
+    code = w.process.exitcode
+    if code is not None and code < 0:
+        try:
+            status = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            status = f"was killed by signal {-code}"
+    else:
+        status = f"exited with code {code}" if code is not None else "closed its pipe"
+    doing = "while starting (loading the target tokenizer)" if w.chunk is None else f"while tokenizing {_chunk_text(w.chunk, jobs)}"
+    if code == -signal.SIGKILL:
+        fix = ("SIGKILL is what the kernel's out-of-memory killer sends (`dmesg` says whether it did): each worker "
+               f"holds a tokenizer and a chunk of conversations, so use fewer --prepare.num_workers (now {len(workers)}), "
+               "or free memory")
+    else:
+        fix = "its output above says why; --prepare.num_workers=1 runs the same work in this process"
+    raise EyasError(f"prepare worker {w.number} of {len(workers)} (pid {w.process.pid}) {status} {doing}; {fix}")
+
+
+def _raise_failure(w: _Worker, workers: list[_Worker], jobs: list, desc: dict[str, str], blob: bytes | None):
+    """Raise what the worker sent: a start-up failure as an EyasError showing the worker's exception
+    in full; a chunk's exception as itself (its message names the conversation), chained from the
+    worker's traceback and noted with the chunk."""
+    where = f"prepare worker {w.number} of {len(workers)} (pid {w.process.pid})"
+    if w.chunk is None:
+        raise EyasError(
+            f"{where} could not start: loading the target tokenizer failed there (fix the error below; "
+            "--prepare.num_workers=1 tokenizes in this process, where the tokenizer loaded):\n"
+            f"{desc['type']}: {desc['message']}\n{desc['traceback']}"
+        )
+    try:
+        exc = pickle.loads(blob) if blob is not None else None
+    except Exception:  # one that does not unpickle (a required argument): raised as its description below
+        exc = None
+    if exc is None:
+        raise EyasError(f"{where} failed while tokenizing {_chunk_text(w.chunk, jobs)}:\n"
+                        f"{desc['type']}: {desc['message']}\n{desc['traceback']}")
+    exc.add_note(f"in {where}, tokenizing {_chunk_text(w.chunk, jobs)}")
+    raise exc from WorkerTraceback(desc["traceback"])
+
+
+def _chunk_text(j: int, jobs: list) -> str:
+    convs = jobs[j][0]
+    return f"chunk {j + 1} of {len(jobs)} (conversations {convs[0].id} .. {convs[-1].id}, {len(convs)} in all)"
+
+
 def tokenize_in_workers(cfg: EyasConfig, tok, convs: list[Conversation], counts: Counter):
-    """tokenize_conversations over prepare.num_workers spawned processes (spawned, not forked: under
-    `eyas run` this process may hold CUDA state from regenerate), the conversations cut into
-    contiguous chunks in order, so the result is the one process's, sample for sample."""
+    """tokenize_conversations over prepare.num_workers spawned processes (_run_workers), the
+    conversations cut into contiguous chunks in order, so the result is the one process's, sample
+    for sample."""
     pc = cfg.prepare
     if pc.num_workers == 1 or len(convs) <= pc.batch_size:
         return tokenize_conversations(tok, convs, pc.max_length, pc.batch_size, counts)
     per = max(pc.batch_size, -(-len(convs) // (4 * pc.num_workers)))  # ~4 chunks per worker, for balance
     jobs = [(convs[i : i + per], pc.max_length, pc.batch_size) for i in range(0, len(convs), per)]
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(min(pc.num_workers, len(jobs)), initializer=_start_worker, initargs=(cfg.target,)) as pool:
-        parts = pool.map(_tokenize_chunk, jobs)  # a worker's exception is raised here, its traceback chained
+    parts = _run_workers(min(pc.num_workers, len(jobs)), cfg.target, jobs)
     ids, masks, kept = [], [], []
     for part_ids, part_masks, part_kept, part_counts in parts:
         ids += part_ids
