@@ -95,10 +95,10 @@ def stage_plan(cfg: EyasConfig) -> tuple[dict[str, EyasConfig], list[str]]:
 def run_keys(configs: dict[str, EyasConfig], stages: list[str]) -> dict[str, str]:
     keys, prev = {}, ""
     for s in stages:
-        sections = {name: to_dict(getattr(configs[s], name)) for name in SECTIONS[s]}
+        sections = {name: changed_fields(getattr(configs[s], name)) for name in SECTIONS[s]}
         if s == "regenerate":  # regenerate reads only the data fields of prepare
             p = sections["prepare"]
-            sections["prepare"] = {k: p[k] for k in ("data", "format", "max_conversations", "system_prompt")}
+            sections["prepare"] = {k: p[k] for k in ("data", "format", "max_conversations", "system_prompt") if k in p}
         if s == "train" and "extract" not in stages:  # online: train captures the aux layers itself
             sections["extract"] = {"layer_ids": configs[s].extract.layer_ids}
         for name, budget in BUDGET_KEYS.items():
@@ -108,7 +108,29 @@ def run_keys(configs: dict[str, EyasConfig], stages: list[str]) -> dict[str, str
     return keys
 
 
-KEY_SCHEME = "v2"
+def changed_fields(section) -> dict[str, Any]:
+    """A config section's fields whose values differ from their defaults: what a run key hashes, so
+    that a field a later eyas adds (at its default) leaves the keys of earlier runs alone."""
+    values = to_dict(section)
+    if not dataclasses.is_dataclass(section):  # a top-level value (seed, ...)
+        return values
+    out = {}
+    for f in dataclasses.fields(section):
+        if f.name not in values:
+            continue
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            out[f.name] = values[f.name]
+            continue
+        if values[f.name] != to_dict(default):
+            out[f.name] = values[f.name]
+    return out
+
+
+KEY_SCHEME = "v3"
 """Run keys carry the scheme they were made by; a stage directory whose key is of another scheme
 (an earlier eyas) is never removed as "made with other settings": it may hold a training."""
 MARKER = "run_key.txt"

@@ -511,3 +511,23 @@ def test_a_stage_run_apart_from_the_ranks_dies_with_its_rank(tmp_path):
         raise AssertionError("the child outlived its killed parent")
     orphan = subprocess.run([sys.executable, "-c", child_code, "1"], timeout=30, check=False)  # "parent" pid 1: not ours
     assert orphan.returncode == 143
+
+
+def test_a_run_key_hashes_only_the_settings_that_differ_from_their_defaults(tmp_path):
+    """A field a later eyas adds at its default leaves the run keys alone (an upgrade re-runs and
+    removes nothing): a setting given at its default value keys like one not given; any other value
+    changes the keys from that stage on."""
+    from eyas.config import load_config
+    from eyas.run import changed_fields, run_keys, stage_plan
+
+    def keys(*overrides):
+        configs, stages = stage_plan(load_config(None, [f"--run_dir={tmp_path}", "--prepare.data=x.jsonl", *overrides]))
+        return run_keys(configs, stages)
+
+    plain = keys()
+    assert keys("--prepare.reasoning=keep", "--train.lr=" + str(load_config(None, []).train.lr)) == plain
+    assert changed_fields(load_config(None, ["--prepare.reasoning=drop"]).prepare) == {"reasoning": "drop"}
+    changed = keys("--prepare.reasoning=drop")
+    assert changed["prepare"] != plain["prepare"] and changed["train"] != plain["train"]
+    lr = keys("--train.lr=1e-5")
+    assert lr["prepare"] == plain["prepare"] and lr["extract"] == plain["extract"] and lr["train"] != plain["train"]
