@@ -12,9 +12,10 @@ without reasoning has no such key. It comes from
   - a `reasoning_content` (or `reasoning`, vLLM's newer name) string on the turn, in both forms:
     OpenAI `{"role": "assistant", "content": ..., "reasoning_content": ...}` and ShareGPT
     `{"from": "gpt", "value": ..., "reasoning_content": ...}`;
-  - else a thinking block written inline in the content, `<think>...</think>answer`, split as
-    Qwen3's chat template splits it (`split_think`): the reasoning is the text before the first
-    `</think>` after any `<think>`, the content the text after the last `</think>`.
+  - else a thinking block written inline at the start of the content, `<think>...</think>answer`,
+    split as Qwen3's chat template splits it (`split_think`): the reasoning is the text before the
+    first `</think>` after the `<think>`, the content the text after the last `</think>`. An answer
+    that does not open with `<think>` keeps its text whole (it may be about the tags).
 Reasoning is stripped like content. An assistant turn with reasoning but no answer (a generation cut
 off while thinking) is removed and counted (`removed_reasoning_without_answer`). Merged consecutive
 assistant turns join their reasonings and their contents, each with a blank line, in order.
@@ -191,7 +192,10 @@ def normalise(where: str, rec: dict[str, Any], fmt: str, counts: Counter, system
         if isinstance(content, list):  # OpenAI content parts
             content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
         reasoning = turn_reasoning(turn, f"{where} (id {rid}): turn {j}") if role == "assistant" else ""
-        if role == "assistant" and not reasoning and isinstance(content, str) and THINK_END in content:
+        # an inline block only where the answer opens with one: a `</think>` inside an answer's text
+        # (an answer about the tags) is its text, not reasoning
+        if role == "assistant" and not reasoning and isinstance(content, str) and THINK_END in content \
+                and content.lstrip().startswith(THINK_START):
             reasoning, content = split_think(content)
             counts["reasoning_split_from_content"] += 1
         reasoning = reasoning.strip()

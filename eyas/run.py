@@ -307,9 +307,16 @@ def run_alone(stage: str, stage_cfg: EyasConfig, through: str = "") -> int | Ran
                 raise
     finally:
         config.unlink(missing_ok=True)
+    if through and rc != 0:  # `eyas run` in the child wrote summary.json, naming the stage that failed
+        raise ApartRunFailed(f"{what} in vLLM stopped with exit status {rc} (its error is printed above; the stage "
+                             f"that failed: {stage_cfg.run_dir}/summary.json)")
     if rc not in (0, 1):  # 1: a complete extract that skipped samples, judged like the stage's own return
         raise EyasError(f"{what} in vLLM stopped with exit status {rc} (its error is printed above)")
-    return RanThrough(through) if through and rc == 0 else rc
+    return RanThrough(through) if through else rc
+
+
+class ApartRunFailed(EyasError):
+    """`eyas run` in a child process failed; its own summary.json says where and stays as it wrote it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -617,7 +624,7 @@ def _check_train_start(cfg: EyasConfig, configs: dict[str, EyasConfig], stages: 
     from eyas.train.init_from import check_init_vocab
 
     tc = configs["train"].train if "train" in stages else None
-    if tc is None or cfg.stop_after == "extract" or tc.resume not in ("", "auto"):
+    if tc is None or tc.resume not in ("", "auto"):  # (also with --stop_after=extract: train follows later)
         return
     try:
         check_init_vocab(tc, configs["train"].stage_dir("prepare"))
@@ -634,6 +641,10 @@ def _record_failure(cfg: EyasConfig, run_dir: Path, record: dict[str, Any], stag
     """summary.json for a run a stage failed: the stages so far, the failure (type, message,
     traceback), and the evaluation's numbers when evaluate wrote its results before failing (a
     lossless-check failure does). A failure to write it is reported, never raised over `exc`."""
+    if isinstance(exc, ApartRunFailed) and (run_dir / "summary.json").is_file():
+        print(f"[eyas:run] {stage} and the stages after it ran in one process apart, which stopped; what it did: "
+              f"{run_dir / 'summary.json'}", file=sys.stderr, flush=True)
+        return
     status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
     record["stages"][stage] = {"status": status, "dir": str(out), "wall_s": round(wall, 2),
                                "error": describe_exception(exc)}

@@ -121,6 +121,8 @@ def test_reasoning_kept_from_fields_and_inline_think_blocks(tmp_path):
         {"id": "inline", "messages": [{"role": "user", "content": "q"},
                                       {"role": "assistant", "content": "<think>\nstep 1\nstep 2\n</think>\n\nthe answer"}]},
         {"id": "no-opener", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "hmm</think>ok"}]},
+        {"id": "about-tags", "messages": [{"role": "user", "content": "q"},
+                                          {"role": "assistant", "content": "Write <think> to open it and </think> to close it."}]},
         {"id": "sharegpt", "conversations": [{"from": "human", "value": "q"},
                                              {"from": "gpt", "value": "a", "reasoning_content": "r"}]},
         {"id": "merged", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a1", "reasoning": "r1"},
@@ -137,13 +139,14 @@ def test_reasoning_kept_from_fields_and_inline_think_blocks(tmp_path):
         "field": {"role": "assistant", "content": "a", "reasoning_content": "think"},
         "vllm": {"role": "assistant", "content": "a", "reasoning_content": "r"},
         "inline": {"role": "assistant", "content": "the answer", "reasoning_content": "step 1\nstep 2"},
-        "no-opener": {"role": "assistant", "content": "ok", "reasoning_content": "hmm"},
+        "no-opener": {"role": "assistant", "content": "hmm</think>ok"},  # data: a block only where the answer opens one
+        "about-tags": {"role": "assistant", "content": "Write <think> to open it and </think> to close it."},
         "sharegpt": {"role": "assistant", "content": "a", "reasoning_content": "r"},
         "merged": {"role": "assistant", "content": "a1\n\na2\n\na3", "reasoning_content": "r1\n\nr3"},
         "cut": {"role": "assistant", "content": "a"},  # the answer cut off while thinking is removed, counted
         "null": {"role": "assistant", "content": "a"},
     }
-    assert counts["reasoning_split_from_content"] == 3 and counts["removed_reasoning_without_answer"] == 1
+    assert counts["reasoning_split_from_content"] == 2 and counts["removed_reasoning_without_answer"] == 1
     assert counts["merged_consecutive_turns"] == 2 and counts["removed_trailing_user_turn"] == 1
 
 

@@ -77,8 +77,8 @@ class ExtractConfig:
     reference); always; never."""
     vllm_scratch_dir: str = ""
     """vLLM backend: the engine writes one safetensors file per request into DIR/vllm-scratch, read
-    back and deleted within the batch; empty = the directory that holds the output directory (the
-    run directory). A tmpfs (/dev/shm) saves disk traffic when it holds a few batches."""
+    back and deleted within the batch; empty = vllm-scratch-extract beside the output directory (in
+    the run directory). A tmpfs (/dev/shm) saves disk traffic when it holds a few batches."""
     max_samples: int = 0
     """Extract only the first N samples of the prepare output (0 = all)."""
     writer_queue: int = 3

@@ -431,11 +431,12 @@ def start_engine(cfg, kw: dict[str, Any]):
 
 
 def scratch_dir(cfg, out: Path) -> Path:
-    """An empty DIR/vllm-scratch for the engine's request files (DIR = extract.vllm_scratch_dir, else
-    the directory that holds the output directory: regenerate's engine, made for extract too, writes
-    there before extract claims its own directory); leftovers of a killed run are deleted. Each file
-    lives for one batch."""
-    path = (Path(cfg.extract.vllm_scratch_dir) if cfg.extract.vllm_scratch_dir else out.parent) / SCRATCH
+    """An empty DIR/vllm-scratch for the engine's request files (DIR = extract.vllm_scratch_dir), else
+    OUT's sibling vllm-scratch-NAME (OUT = .../NAME, the output directory: regenerate's engine, made
+    for extract too, writes there before extract claims its own directory); leftovers of a killed run
+    are deleted. Each file lives for one batch."""
+    given = cfg.extract.vllm_scratch_dir
+    path = Path(given) / SCRATCH if given else out.parent / f"{SCRATCH}-{out.name}"  # apart from a sibling's
     if path.exists():
         shutil.rmtree(path)
     path.mkdir(parents=True)

@@ -73,10 +73,14 @@ def regenerate_chunk(backend, tok, convs: list[Conversation], rc, counts: Counte
         else:
             answers = backend.generate(prompt_ids)
         for s, msgs, a in zip(live, prompts, answers):
+            counts["new_tokens"] += a.new_tokens
+            if not a.text and a.reasoning:  # cut at max_new_tokens while thinking: no answer to train on
+                s["open"] = False
+                counts["conversations_cut_while_thinking"] += 1
+                continue
             s["messages"] = msgs + [{"role": "assistant", "content": a.text, **({REASONING: a.reasoning} if a.reasoning else {})}]
             s["reasons"].append(a.finish_reason)
             counts["turns"] += 1
-            counts["new_tokens"] += a.new_tokens
             counts[f"finish_{a.finish_reason}"] += 1
             if not a.text:
                 counts["empty_answers"] += 1
@@ -85,7 +89,7 @@ def regenerate_chunk(backend, tok, convs: list[Conversation], rc, counts: Counte
     out = []
     for s in states:
         if not any(m["role"] == "assistant" for m in s["messages"]):
-            counts["dropped_prompt_too_long"] += 1
+            counts["dropped_no_answer"] += 1  # its first prompt too long, or its first answer cut while thinking
             continue
         out.append({"id": s["conv"].id, "source_index": s["index"], "messages": s["messages"], "finish_reasons": s["reasons"]})
     return out
@@ -172,7 +176,12 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         chunk = todo[b : b + rc.chunk_conversations]
         t_chunk = time.perf_counter()
         before = counts["new_tokens"]
-        records = regenerate_chunk(backend, tok, chunk, rc, counts)
+        try:
+            records = regenerate_chunk(backend, tok, chunk, rc, counts)
+        except BaseException:
+            if rc.backend == "vllm":  # the engine's GPUs free again, whoever catches this
+                backend.close(failed=True)
+            raise
         append_records(path, records)
         dt = time.perf_counter() - t_chunk
         per_batch = max(per_batch, dt / batches(len(chunk), rc.batch_size))

@@ -82,7 +82,7 @@ class HFBackend:
             else:
                 new = self._hf_batch(batch, s)
             for row, i in enumerate(idx):
-                out[i] = self._answer(new[row], split=s is self.answers)
+                out[i] = self._answer(new[row], split=s is self.answers, opened=opens_thinking(self.tok, batch[row]))
         return out  # type: ignore[return-value]
 
     def _pick(self, logits_BV, s: Sampling):
@@ -140,7 +140,7 @@ class HFBackend:
             gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kw)
         return gen[:, width:].cpu().tolist()  # one host sync per batch
 
-    def _answer(self, new: list[int], split: bool = True) -> Answer:
+    def _answer(self, new: list[int], split: bool = True, opened: bool = False) -> Answer:
         """The answer in `new` (cut after the first eos); with `split`, its thinking block apart."""
         n, reason = len(new), "length"
         for j, t in enumerate(new):
@@ -149,8 +149,23 @@ class HFBackend:
                 break
         if not split:
             return Answer(self.tok.decode(new[:n], skip_special_tokens=True).strip(), n, reason)
-        reasoning, text = split_think(decode_keeping(self.tok, new[:n], self.think_ids))
-        return Answer(text.strip(), n, reason, reasoning.strip())
+        return thinking_answer(decode_keeping(self.tok, new[:n], self.think_ids), n, reason, opened)
+
+
+def thinking_answer(text: str, new_tokens: int, finish_reason: str, opened: bool) -> Answer:
+    """The answer in a generated `text`, its thinking block apart (`split_think`). A generation cut
+    at max_new_tokens inside its thinking block (opened by the text, or by the prompt: `opened`) has
+    no answer: all of it is reasoning, and the content stays empty (regenerate ends the conversation
+    there), never partial thinking stored as an answer."""
+    if finish_reason == "length" and THINK_END not in text and (opened or text.lstrip().startswith(THINK_START)):
+        return Answer("", new_tokens, finish_reason, text.strip().removeprefix(THINK_START).strip())
+    reasoning, content = split_think(text)
+    return Answer(content.strip(), new_tokens, finish_reason, reasoning.strip())
+
+
+def opens_thinking(tok, prompt_ids: list[int]) -> bool:
+    """Whether a prompt ends inside a thinking block (a generation prompt that ends with `<think>`)."""
+    return tok.decode(prompt_ids[-4:], skip_special_tokens=False).rstrip().endswith(THINK_START)
 
 
 def marker_ids(tok) -> dict[int, str]:

@@ -20,10 +20,17 @@ from __future__ import annotations
 
 import shutil
 
-from eyas.chat import split_think
 from eyas.config import EyasConfig
 from eyas.errors import EyasError, exception_message
-from eyas.regenerate.backends import Answer, Sampling, decode_keeping, marker_ids
+from eyas.regenerate.backends import (
+    Answer,
+    Sampling,
+    decode_keeping,
+    marker_ids,
+    opens_thinking,
+    thinking_answer,
+)
+from eyas.target import load_config
 
 
 class VLLMBackend:
@@ -40,9 +47,16 @@ class VLLMBackend:
         self.eos = eos_ids(model_path(cfg.target), tok)
         self.think_ids = marker_ids(tok)
         self.answers = Sampling(rc.temperature, rc.top_p, rc.max_new_tokens)
-        self.shared = cfg.extract.backend == "vllm"
+        # extract's engine only where extract runs next in this process (`eyas run`, offline training)
+        self.shared = cfg.extract.backend == "vllm" and vllm_engine.chained() and cfg.train.mode == "offline" \
+            and cfg.stop_after not in ("regenerate", "prepare")
         cpu = current_platform.is_cpu()
         self.kwargs, self.scratch, proxy = engine_for(cfg, cpu, self.shared)
+        # bytes the connector writes per prompt token (aux layers + the last, hidden size, the engine's dtype)
+        conf = load_config(cfg.target)
+        ids = self.kwargs.get("speculative_config", {}).get("draft_model_config", {}).get("hf_config", {}) \
+            .get("eagle_aux_hidden_state_layer_ids", [])
+        self.state_bytes = len(ids) * int(conf.hidden_size) * (4 if self.kwargs["dtype"] == "float32" else 2)
         if cpu:
             vllm_engine.bind_cpu_threads(int(self.kwargs["tensor_parallel_size"])
                                          * int(self.kwargs["pipeline_parallel_size"]), "regenerate")
@@ -71,24 +85,43 @@ class VLLMBackend:
                                          top_p=s.top_p if s.temperature > 0 else 1.0, stop_token_ids=list(self.eos),
                                          seed=self.seed + self._sent, detokenize=False))
             self._sent += 1
-        try:
-            outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts_ids], params,
-                                     use_tqdm=False)
-        except Exception as e:  # the engine's own traceback is in vLLM's log; this names the stage and batch
-            raise EyasError(f"regenerate: the vLLM engine failed on a batch of {len(prompts_ids)} prompts: "
-                            f"{type(e).__name__}: {exception_message(e)} (vLLM's log above)") from e
+        outs = []
+        for group in self._groups(prompts_ids):
+            try:
+                got = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompts_ids[i])) for i in group],
+                                        [params[i] for i in group], use_tqdm=False)
+            except Exception as e:  # the engine's own traceback is in vLLM's log; this names the stage and batch
+                raise EyasError(f"regenerate: the vLLM engine failed on a batch of {len(group)} prompts: "
+                                f"{type(e).__name__}: {exception_message(e)} (vLLM's log above)") from e
+            for out in got:
+                self._drop_states(out)
+            outs += got
         answers = []
-        for out in outs:
-            self._drop_states(out)
+        for prompt, out in zip(prompts_ids, outs):
             o = out.outputs[0]
             ids = list(o.token_ids)
             reason = "stop" if o.finish_reason == "stop" else "length"
             if sampling is not None and sampling is not self.answers:
                 answers.append(Answer(self.tok.decode(ids, skip_special_tokens=True).strip(), len(ids), reason))
                 continue
-            reasoning, text = split_think(decode_keeping(self.tok, ids, self.think_ids))
-            answers.append(Answer(text.strip(), len(ids), reason, reasoning.strip()))
+            answers.append(thinking_answer(decode_keeping(self.tok, ids, self.think_ids), len(ids), reason,
+                                           opens_thinking(self.tok, list(prompt))))
         return answers
+
+    def _groups(self, prompts_ids: list[list[int]]) -> list[list[int]]:
+        """The prompts in groups handed to the engine at once: all of them, or, on extract's engine,
+        as many as keep the prompt states its connector writes meanwhile under SCRATCH_BYTES."""
+        if not self.shared:
+            return [list(range(len(prompts_ids)))]
+        groups, used = [[]], 0
+        for i, p in enumerate(prompts_ids):
+            size = len(p) * self.state_bytes
+            if groups[-1] and used + size > SCRATCH_BYTES:
+                groups.append([])
+                used = 0
+            groups[-1].append(i)
+            used += size
+        return groups
 
     def _drop_states(self, out) -> None:
         """The prompt states the extraction connector wrote for a request (shared engine): not needed here."""
@@ -98,17 +131,25 @@ class VLLMBackend:
         if path:
             discard_request(path)
 
-    def close(self) -> None:
-        """Park the engine for extract when `eyas run` runs it next in this process, else shut it down."""
+    def close(self, failed: bool = False) -> None:
+        """Park the engine for extract when `eyas run` runs it next in this process, else (or after a
+        failure) shut it down."""
         from eyas import vllm_engine
 
         llm, self.llm = self.llm, None
-        if self.shared and vllm_engine.chained():
+        if llm is None:
+            return
+        if self.shared and not failed:
             vllm_engine.park(llm, self.kwargs, self.note)
         else:
             vllm_engine.shutdown(llm)
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+SCRATCH_BYTES = 16 * 10**9
+"""On extract's engine: the most prompt-state bytes (in the scratch directory) one generate call may
+leave before they are deleted (DeepSeek-V3: ~57 KB per token, so ~280,000 prompt tokens at once)."""
 
 
 def engine_for(cfg: EyasConfig, cpu: bool, shared: bool):
@@ -120,7 +161,7 @@ def engine_for(cfg: EyasConfig, cpu: bool, shared: bool):
     from eyas.capture import check_layer_ids, default_layer_ids
     from eyas.extract import Setup, vllm_proxy
     from eyas.extract.vllm_backend import engine_kwargs, make_vllm_backend, scratch_dir
-    from eyas.target import load_config, load_hf_config, resolve_dtype
+    from eyas.target import load_hf_config, resolve_dtype
 
     ec, rc = cfg.extract, cfg.regenerate
     conf = load_config(cfg.target)

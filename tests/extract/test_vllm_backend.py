@@ -232,7 +232,7 @@ def test_vllm_output_is_an_ordinary_extract_that_says_vllm(runs):
     index_v = json.loads((runs["vllm"] / "extract" / "index.json").read_text())
     index_h = json.loads((runs["hf"] / "extract" / "index.json").read_text())
     assert index_v["length"] == index_h["length"]
-    assert not (runs["vllm"] / vllm_backend.SCRATCH).exists()  # request files cleaned up
+    assert not (runs["vllm"] / f"{vllm_backend.SCRATCH}-extract").exists()  # request files cleaned up
     assert "CPUHiddenStatesConnector" in runs["log"]  # chosen automatically: no GPU here
 
 

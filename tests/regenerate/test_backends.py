@@ -165,3 +165,20 @@ def test_hf_backend_keeps_the_thinking_block_of_special_think_tokens(tmp_path, d
         assert (a.text, a.reasoning, a.new_tokens, a.finish_reason) == ("Blue, surely.", reasoning, len(ids) + 1, "stop")
     raw = backend._answer(think_tok("Say <think>hi</think> ok", add_special_tokens=False)["input_ids"], split=False)
     assert (raw.text, raw.reasoning) == ("Say hi ok", "")  # self-written user turns: decoded as before
+
+
+def test_an_answer_cut_while_thinking_is_reasoning_without_content():
+    """By hand: a generation stopped at max_new_tokens inside its thinking block (opened by the text
+    or by the prompt) has no answer; a finished one splits; a cut answer after `</think>` keeps its
+    partial answer (the thinking ended)."""
+    from eyas.regenerate.backends import thinking_answer
+
+    def a(text, reason, opened):
+        x = thinking_answer(text, 7, reason, opened)
+        return x.reasoning, x.text
+
+    assert a("<think>\nstep 1, step 2", "length", False) == ("step 1, step 2", "")
+    assert a("step 1, step 2", "length", True) == ("step 1, step 2", "")  # the prompt ended with <think>
+    assert a("step 1</think>The answer", "stop", True) == ("step 1", "The answer")
+    assert a("<think>r</think>The ans", "length", False) == ("r", "The ans")
+    assert a("A plain answer cut sho", "length", False) == ("", "A plain answer cut sho")

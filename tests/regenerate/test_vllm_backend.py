@@ -31,4 +31,4 @@ def test_regenerate_and_extract_in_one_vllm_engine(tmp_path, data, target, smoll
     for rec, conv in zip(recs, CONVS):
         assert rec["messages"] == reference(model, tok, conv)
     assert re.search(r"parity +3 samples vs a plain forward, max relative error [0-9.e-]+", log), log[-3000:]
-    assert not (run / "vllm-scratch").exists()  # the request files (regenerate's and extract's) are gone
+    assert not (run / "vllm-scratch-extract").exists()  # the request files (regenerate's and extract's) are gone
