@@ -283,3 +283,35 @@ def test_the_second_draft_layer_sets_the_halved_copys_tau(served):
     the intact draft's, so vLLM matching it within TAU_TOL means vLLM runs that layer as eyas does."""
     intact, halved = served["eyas_stats"]["fitted_2layer"].tau, served["eyas_stats"]["fitted_2layer_halved"].tau
     assert intact - halved > 5 * TAU_TOL, (intact, halved)
+
+
+def test_one_engine_between_stages_is_taken_only_with_the_same_arguments():
+    """eyas.vllm_engine's park / take / release (no vLLM: an object standing in for vllm.LLM that
+    records its shutdown): extract takes regenerate's engine only when made with the same arguments
+    and room for at least its context; anything else shuts the parked one down first, and leaving
+    `eyas run`'s stages shuts down what is still parked."""
+    from types import SimpleNamespace
+
+    from eyas import vllm_engine
+
+    def engine():
+        e = SimpleNamespace(down=0)
+        e.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=lambda: setattr(e, "down", e.down + 1)))
+        return e
+
+    kw = {"model": "/m", "max_model_len": 4096, "tensor_parallel_size": 8, "speculative_config": {"method": "x"}}
+    assert vllm_engine.take(kw) is None
+    a = engine()
+    vllm_engine.park(a, kw, {"made_by": "regenerate"})
+    assert vllm_engine.parked_note() == {"made_by": "regenerate"}
+    assert vllm_engine.take({**kw, "max_model_len": 2049}) == (a, {"made_by": "regenerate"}) and a.down == 0
+    assert vllm_engine.parked_note() is None
+    for other in ({**kw, "tensor_parallel_size": 4}, {**kw, "max_model_len": 8192}):
+        b = engine()
+        vllm_engine.park(b, kw)
+        assert vllm_engine.take(other) is None and b.down == 1  # shut down before another engine starts
+    with vllm_engine.chained_stages():
+        assert vllm_engine.chained()
+        c = engine()
+        vllm_engine.park(c, kw)
+    assert not vllm_engine.chained() and c.down == 1 and vllm_engine.parked_note() is None
