@@ -168,6 +168,9 @@ def test_the_proxy_of_a_wrapper_is_the_wrapper_with_its_text_model_shrunk(tmp_pa
     tm = text_model(target(proxy))
     assert (tm.wrapper, tm.prefix) == ("kimi_k25", "language_model.")
     assert type(load_model(target(proxy), device="cpu")).__name__ == "DeepseekV3ForCausalLM"
+    # the hub's config.json names Moonshot's code (auto_map); transformers has the class, the proxy needs none
+    shipped = dict(KIMI_K25, auto_map={"AutoConfig": "configuration_kimi_k25.KimiK25Config"})
+    assert "auto_map" not in proxy_config(shipped, tensor_parallel=2)
 
 
 # ---------------------------------------------------------------- vLLM (CPU build)

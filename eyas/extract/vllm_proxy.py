@@ -39,6 +39,16 @@ def _up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _without_remote_code(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` without its `auto_map` where transformers has the model type's own config class
+    (Kimi-K2.5's checkpoint names Moonshot's code, which the proxy's directory does not hold)."""
+    from transformers import CONFIG_MAPPING
+
+    if "auto_map" in config and config.get("model_type") in CONFIG_MAPPING:
+        return {k: v for k, v in config.items() if k != "auto_map"}
+    return config
+
+
 def proxy_config(config: dict[str, Any], tensor_parallel: int = 1, expert_parallel: bool = False) -> dict[str, Any]:
     """The target's config.json with small sizes: what a proxy of its architecture is built from.
 
@@ -46,8 +56,10 @@ def proxy_config(config: dict[str, Any], tensor_parallel: int = 1, expert_parall
     (topk_method, scoring_func, groups), MLA's head sizes (vLLM's CPU MLA kernel takes only a
     576-wide latent), vocabulary. Shrunk: layers (for a MoE with dense first layers: one dense, two
     MoE), heads (2 x tensor_parallel), hidden and MLP widths, experts (two per group, a multiple of
-    the expert-parallel size). Dropped: quantization_config. A multimodal wrapper's config (a nested
+    the expert-parallel size). Dropped: quantization_config, and auto_map where transformers has
+    the model type's config class. A multimodal wrapper's config (a nested
     `text_config`) stays the wrapper, with its text config shrunk so."""
+    config = _without_remote_code(config)
     if isinstance(config.get("text_config"), dict):  # a multimodal wrapper (Kimi-K2.5): the same wrapper, its text
         c = copy.deepcopy(config)                      # config shrunk; vLLM runs it without its vision tower
         c.pop("quantization_config", None)
