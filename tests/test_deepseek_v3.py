@@ -34,7 +34,7 @@ from eyas.spec import speculative_generate, target_generate
 from tests.extract.test_vllm_backend import needs_vllm
 from tests.data import write_synthetic_chats
 from tests.models import DEEPSEEK_V3_YARN, fitted_draft, greedy_sequences, load_target, save_deepseek_v3, save_tiny
-from tests.vllm_serving import run_vllm, vllm_python
+from tests.vllm_serving import run_large_target_recipe, run_vllm, vllm_python
 
 AUX = [1, 2, 3]
 
@@ -153,30 +153,8 @@ def test_the_8_gpu_recipe_in_one_torchrun_command(tmp_path, smollm2_dir):
     target = save_deepseek_v3(tmp_path / "target", smollm2_dir, q_lora_rank=64, yarn=True)
     chats = write_synthetic_chats(tmp_path / "chats.jsonl", 8, max_words=40)
     run = tmp_path / "run"
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "deepseek-v3-8gpu.yaml"
-    assert "torchrun --nproc-per-node 8 -m eyas run recipes/deepseek-v3-8gpu.yaml" in recipe.read_text()
-    cpu_sized = [f"--run_dir={run}", f"--target.model={target}", "--target.dtype=float32", f"--prepare.data={chats}",
-                 "--regenerate.max_new_tokens=8", "--regenerate.max_prompt_tokens=96", "--regenerate.max_turns=1",
-                 "--prepare.max_length=128", "--prepare.draft_vocab_size=500", "--extract.layer_ids=[1,2,3]",
-                 "--extract.vllm_tensor_parallel_size=2", "--train.max_steps=3", "--train.ttt_steps=2",
-                 "--train.max_tokens=256", "--train.num_attention_heads=2", "--train.num_key_value_heads=1",
-                 "--train.intermediate_size=256", "--evaluate.backend=hf", "--evaluate.num_questions=1",
-                 "--evaluate.max_new_tokens=8"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    res = subprocess.run([str(vllm_python()), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "-m", "eyas", "run", str(recipe), *cpu_sized], env=env, capture_output=True, text=True,
-                         timeout=1500, cwd=str(tmp_path))
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-6000:]
-    summary = json.loads((run / "summary.json").read_text())
-    assert list(summary["stages"]) == ["regenerate", "prepare", "extract", "train", "export", "evaluate"]
-    assert all(s["status"] == "ran" for s in summary["stages"].values()) and summary["lossless"] is True
-    log = (run / "run.log").read_text()
+    out = run_large_target_recipe("deepseek-v3-8gpu.yaml", target, chats, run, [1, 2, 3])
     assert "[eyas:run] regenerate to extract: in vLLM, one process apart from the ranks" in out
-    assert log.count("starting the engine") == 2, log  # the proxy's, then the target's (regenerate's) alone
-    assert "serves extraction too (no second load)" in log
     regenerated = json.loads((run / "regenerate" / "meta.json").read_text())["counts"]
     assert regenerated["conversations_written"] == 8 and regenerated["new_tokens"] > 0
     extract = json.loads((run / "extract" / "meta.json").read_text())

