@@ -569,12 +569,8 @@ def draft_shape(cfg: EyasConfig, target_conf, layer_ids: list[int]):
     train.* shape keys (its draft vocabulary size as prepare will choose it at most)."""
     from eyas.draft import DraftConfig
 
-    tc = cfg.train
-    shape = {"num_attention_heads": tc.num_attention_heads, "num_key_value_heads": tc.num_key_value_heads,
-             "head_dim": tc.head_dim, "intermediate_size": tc.intermediate_size, "num_layers": tc.num_layers,
-             "rope_theta": tc.rope_theta, "norm_before_residual": tc.norm_before_residual}
     vocab = cfg.prepare.draft_vocab_size or int(target_conf.vocab_size)
-    return DraftConfig.from_target(target_conf, vocab, layer_ids, **shape)
+    return DraftConfig.from_target(target_conf, vocab, layer_ids, **cfg.train.draft_shape())
 
 
 def _check_draft_shape(cfg: EyasConfig, target_conf, layer_ids: list[int]) -> None:

@@ -197,6 +197,12 @@ class TrainConfig:
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/train."""
 
+    def draft_shape(self) -> dict:
+        """The train.* keys that shape the draft, as DraftConfig.from_target takes them."""
+        return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+                "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "num_layers": self.num_layers,
+                "rope_theta": self.rope_theta, "norm_before_residual": self.norm_before_residual}
+
     def __post_init__(self) -> None:
         # from_dict refuses inf and nan already; a TrainConfig built in code gets the same check
         for name in FLOAT_KNOBS:

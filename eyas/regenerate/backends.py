@@ -59,7 +59,7 @@ class HFBackend:
         self.rc, self.tok = rc, tok
         self.device = rc.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_model(cfg.target, device=self.device)
-        self.eos = _eos_ids(self.model, tok)
+        self.eos = eos_ids(self.model.generation_config.eos_token_id, tok)
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos[0]
         self.think_ids = marker_ids(tok)
         self.static = rc.static_cache and self.device.startswith("cuda")
@@ -201,8 +201,9 @@ def static_width(width: int, widths: list[int]) -> int:
     raise EyasError(f"regenerate: a prompt of {width} tokens is wider than every regenerate.static_widths {widths}")
 
 
-def _eos_ids(model, tok) -> list[int]:
-    eos = model.generation_config.eos_token_id
+def eos_ids(eos, tok) -> list[int]:
+    """The ids that end an answer: the generation config's eos_token_id (`eos`: an id, a list or None)
+    and the tokenizer's."""
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     if tok.eos_token_id is not None:
         ids.add(tok.eos_token_id)

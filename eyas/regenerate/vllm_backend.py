@@ -26,6 +26,7 @@ from eyas.regenerate.backends import (
     Answer,
     Sampling,
     decode_keeping,
+    eos_ids,
     marker_ids,
     opens_thinking,
     thinking_answer,
@@ -44,7 +45,7 @@ class VLLMBackend:
 
         rc = cfg.regenerate
         self.rc, self.tok, self.seed = rc, tok, cfg.seed
-        self.eos = eos_ids(model_path(cfg.target), tok)
+        self.eos = eos_ids(generation_eos(model_path(cfg.target)), tok)
         self.think_ids = marker_ids(tok)
         self.answers = Sampling(rc.temperature, rc.top_p, rc.max_new_tokens)
         # extract's engine only where extract runs next in this process (`eyas run`, offline training)
@@ -185,18 +186,11 @@ def engine_for(cfg: EyasConfig, cpu: bool, shared: bool):
     return kw, scratch, proxy
 
 
-def eos_ids(path: str, tok) -> list[int]:
-    """The ids that end an answer: generation_config.json's eos_token_id and the tokenizer's."""
+def generation_eos(path: str):
+    """generation_config.json's eos_token_id (None without the file)."""
     from transformers import GenerationConfig
 
-    ids: set[int] = set()
     try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    except OSError:  # no generation_config.json: the tokenizer's alone
-        pass
-    if tok.eos_token_id is not None:
-        ids.add(int(tok.eos_token_id))
-    if not ids:
-        raise EyasError("the target defines no eos token (generation_config.eos_token_id / tokenizer.eos_token)")
-    return sorted(ids)
+        return GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json: the tokenizer's eos alone
+        return None

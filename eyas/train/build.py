@@ -107,17 +107,7 @@ def split_groups_of(prep, source_indices: list[int] | None = None, source_ids: l
 
 
 def draft_config(cfg: EyasConfig, data: TrainData) -> DraftConfig:
-    tc = cfg.train
-    overrides = dict(
-        num_attention_heads=tc.num_attention_heads,
-        num_key_value_heads=tc.num_key_value_heads,
-        head_dim=tc.head_dim,
-        intermediate_size=tc.intermediate_size,
-        num_layers=tc.num_layers,
-        rope_theta=tc.rope_theta,
-        norm_before_residual=tc.norm_before_residual,
-    )
-    dcfg = DraftConfig.from_target(data.target_config, int(data.d2t.numel()), data.layer_ids, **overrides)
+    dcfg = DraftConfig.from_target(data.target_config, int(data.d2t.numel()), data.layer_ids, **cfg.train.draft_shape())
     if dcfg.num_attention_heads % dcfg.num_key_value_heads:
         raise ConfigError(
             f"draft heads {dcfg.num_attention_heads} are not a multiple of its kv heads {dcfg.num_key_value_heads}: "
