@@ -29,6 +29,7 @@ from eyas.config import load_config
 from eyas.errors import EyasError
 from tests.data import run_prepare, write_synthetic_chats
 from tests.extract.test_vllm_backend import needs_vllm, run_eyas_vllm
+from tests.extract.test_vllm_proxy import KIMI_INT4
 from tests.models import load_target, save_deepseek_v3, save_kimi_k25
 
 AUX = [1, 2, 3]
@@ -38,7 +39,7 @@ TOL = 1e-4
 KIMI_K25 = {  # the fields of moonshotai/Kimi-K2.5's config.json the proxy reads or keeps (model report, tests/models.py)
     "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "media_placeholder_token_id": 163605,
     "tie_word_embeddings": False,
-    "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+    "quantization_config": KIMI_INT4,
     "text_config": {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "hidden_size": 7168,
         "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 384, "n_shared_experts": 1,
@@ -47,7 +48,7 @@ KIMI_K25 = {  # the fields of moonshotai/Kimi-K2.5's config.json the proxy reads
         "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "vocab_size": 163840,
         "topk_method": "noaux_tc", "scoring_func": "sigmoid", "rope_theta": 50000.0,
         "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096},
-        "quantization_config": {"quant_method": "compressed-tensors", "format": "pack-quantized"},
+        "quantization_config": KIMI_INT4,
     },
     "vision_config": {"vt_hidden_size": 1152, "vt_num_hidden_layers": 27, "patch_size": 14},
 }  # fmt: skip
@@ -158,16 +159,22 @@ def test_the_proxy_of_a_wrapper_is_the_wrapper_with_its_text_model_shrunk(tmp_pa
     p = proxy_config(KIMI_K25, tensor_parallel=2)
     assert {k: p[k] for k in ("architectures", "model_type", "vision_config")} == {
         k: KIMI_K25[k] for k in ("architectures", "model_type", "vision_config")}
-    assert "quantization_config" not in p and "quantization_config" not in p["text_config"]
+    assert p["quantization_config"] == p["text_config"]["quantization_config"] == KIMI_INT4  # INT4 experts kept
     t = p["text_config"]
     assert (t["num_hidden_layers"], t["hidden_size"], t["num_attention_heads"], t["kv_lora_rank"]) == (3, 256, 4, 512)
     assert (t["model_type"], t["vocab_size"], t["rope_scaling"]) == ("kimi_k2", 163840, KIMI_K25["text_config"]["rope_scaling"])
     small = dict(p, text_config=dict(t, vocab_size=1024))
-    proxy = build_proxy(small, tmp_path / "proxy", prefix="language_model.")
+    proxy, reference = build_proxy(small, tmp_path / "proxy", prefix="language_model.")
     assert json.loads((proxy / "config.json").read_text()) == small
-    tm = text_model(target(proxy))
+    packed = safe_open(str(proxy / "model.safetensors"), "pt").keys()
+    layer = "language_model.model.layers.1."
+    assert {layer + "mlp.experts.0.down_proj.weight_packed", layer + "self_attn.kv_b_proj.weight",
+            layer + "mlp.shared_experts.up_proj.weight", layer + "mlp.gate.weight"} <= set(packed)
+    assert not [k for k in packed if "experts.0." in k and k.endswith("proj.weight") and "shared" not in k]
+    assert "quantization_config" not in json.dumps(json.loads((reference / "config.json").read_text()))
+    tm = text_model(target(reference))
     assert (tm.wrapper, tm.prefix) == ("kimi_k25", "language_model.")
-    assert type(load_model(target(proxy), device="cpu")).__name__ == "DeepseekV3ForCausalLM"
+    assert type(load_model(target(reference), device="cpu")).__name__ == "DeepseekV3ForCausalLM"
     # the hub's config.json names Moonshot's code (auto_map); transformers has the class, the proxy needs none
     shipped = dict(KIMI_K25, auto_map={"AutoConfig": "configuration_kimi_k25.KimiK25Config"})
     assert "auto_map" not in proxy_config(shipped, tensor_parallel=2)

@@ -71,8 +71,9 @@ class ExtractConfig:
     (extract.vllm_proxy_parity)."""
     vllm_proxy_parity: str = "auto"
     """vLLM backend: before the target's engine loads, run the same vLLM path on a tiny random model of
-    the target's architecture (its config.json with few layers, small widths, few experts; unquantized)
-    and check it against transformers on every captured layer (eyas/extract/vllm_proxy.py); a
+    the target's architecture (its config.json with few layers, small widths, few experts; quantized as
+    the target where that is compressed-tensors INT4/INT8, else unquantized) and check it against
+    transformers on every captured layer (eyas/extract/vllm_proxy.py); a
     disagreement stops the run. auto = when extract.vllm_parity=0 (the target itself has no float
     reference); always; never."""
     vllm_scratch_dir: str = ""

