@@ -8,15 +8,20 @@ re-run when something is missing or mismatched.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import platform
+import socket
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from eyas.errors import ArtifactError
+from eyas.errors import ArtifactError, EyasError
 
 SCHEMA_VERSION = 1
 
@@ -93,3 +98,52 @@ def read_meta(out_dir: str | Path, stage: str) -> dict[str, Any]:
             f"{path} has schema version {meta.get('schema_version')}, this eyas reads {SCHEMA_VERSION}: re-run `eyas {stage}`"
         )
     return meta
+
+
+LOCK_FILE = ".eyas.lock"
+LOCK_HELD = "EYAS_RUN_DIR_LOCKED"
+"""Set for a child process that runs inside its parent's lock (`eyas run` apart from the ranks)."""
+
+
+@contextlib.contextmanager
+def run_dir_lock(run_dir: str | Path, command: str):
+    """Hold RUN_DIR/.eyas.lock (an exclusive flock) while a command writes into the run directory: a
+    second eyas command on the same directory stops at once, naming the process that holds it (pid,
+    host, command, start), instead of deleting the other's stage outputs. The kernel releases the
+    lock when its holder exits, however it exits (kill -9 too): a lock never outlives its process.
+    Children that run inside this lock get LOCK_HELD in their environment. flock holds across
+    processes of one host; on a network filesystem it depends on the filesystem."""
+    run_dir = Path(run_dir).resolve()
+    if os.environ.get(LOCK_HELD) == str(run_dir):
+        yield
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise EyasError(f"run directory {run_dir} is in use by another eyas command ({_holder(path)}): two "
+                            "commands in one run directory replace each other's stage outputs. Wait for it to "
+                            f"finish or stop it, or give this one another --run_dir (lock: {path})") from None
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "command": f"eyas {command}",
+                  "argv": sys.argv, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        os.environ[LOCK_HELD] = str(run_dir)
+        try:
+            yield
+        finally:
+            os.environ.pop(LOCK_HELD, None)
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _holder(path: Path) -> str:
+    """The lock holder's pid, host, command and start, in words."""
+    try:
+        h = json.loads(path.read_text())
+        return f"pid {h['pid']} on {h['host']}, `{' '.join(h['argv'])}`, since {h['started']}"
+    except (OSError, ValueError, KeyError) as e:  # written between its flock and its write: say what was read
+        return f"its description in {path} is unreadable: {type(e).__name__}: {e}"

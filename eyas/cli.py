@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from eyas.config import STAGES
-from eyas.errors import EyasError, describe_exception, exception_message
+from eyas.errors import EyasError, Terminated, describe_exception, exception_message
 
 USAGE = """usage: eyas <command> [config.yaml] [--section.key=value ...]
 
@@ -57,8 +61,9 @@ def _split(argv: list[str], positional: str | None = None) -> tuple[str | None, 
 
 def _own_section(command: str, overrides: list[str]) -> list[str]:
     """`eyas extract --verify 4` means --extract.verify=4: a bare key of the command's own section."""
-    from eyas.config import EyasConfig
     import dataclasses
+
+    from eyas.config import EyasConfig
 
     top = {f.name for f in dataclasses.fields(EyasConfig)}
     out = []
@@ -69,6 +74,41 @@ def _own_section(command: str, overrides: list[str]) -> list[str]:
                 arg = f"--{command}.{arg[2:]}"
         out.append(arg)
     return out
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM raises Terminated (a KeyboardInterrupt) in this process, once: the run unwinds as on
+    Ctrl-C (summary.json, engines stopped) and exits 143; a second SIGTERM kills as by default.
+    Processes forked from this one (worker pools) keep the default: they just stop."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pid = os.getpid()
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if os.getpid() != pid:  # a forked child that inherited this handler: die as by default
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise Terminated("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _locked_dir(command: str, cfg) -> Path | None:
+    """The run directory a command writes into, to lock (artifacts.run_dir_lock): `eyas run`'s, and a
+    stage's whose output lies in it; on rank 0 only under torchrun (the ranks of one command share it)."""
+    if os.environ.get("RANK", "0") != "0" or command not in ("run", *STAGES):
+        return None
+    run_dir = Path(cfg.run_dir).resolve()
+    if command == "run" or cfg.stage_dir(command).resolve().is_relative_to(run_dir):
+        return run_dir
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,11 +140,18 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(path, _own_section(command, overrides))
         import importlib
 
-        result = importlib.import_module(f"eyas.{command}").main(cfg)
+        from eyas.artifacts import run_dir_lock
+
+        locked = _locked_dir(command, cfg)
+        with sigterm_as_interrupt(), run_dir_lock(locked, command) if locked else contextlib.nullcontext():
+            result = importlib.import_module(f"eyas.{command}").main(cfg)
         return int(result) if isinstance(result, int) else 0
     except EyasError as e:
         print(f"eyas {command}: error: {exception_message(e)}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"eyas {command}: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print(f"eyas {command}: interrupted", file=sys.stderr)
         return 130

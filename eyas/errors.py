@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import traceback
 from typing import Any, Iterable
@@ -30,6 +31,20 @@ class DataError(EyasError, ValueError):
 
 class ArtifactError(EyasError):
     """A stage output is missing, corrupt or does not match what the consumer expects."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's stop, a preemption, torchrun stopping its workers) raised as an
+    interrupt, so that it unwinds as Ctrl-C does: the stage is marked interrupted in summary.json,
+    engines and child processes are stopped, and the command exits 143."""
+
+
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@:\s]*):(?P<password>[^/@\s]*)@")
+
+
+def redact_urls(text: str) -> str:
+    """`text` with the password of every URL in it shown as *** (`https://user:***@host/...`)."""
+    return _URL_CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
 
 
 def exception_message(exc: BaseException) -> str:

@@ -288,7 +288,8 @@ def run_alone(stage: str, stage_cfg: EyasConfig, through: str = "") -> int | Ran
     if through:
         stage_cfg = copy.deepcopy(stage_cfg)
         stage_cfg.stop_after = through
-    artifacts.atomic_write_text(config, dump_config(stage_cfg))
+    artifacts.atomic_write_text(config, dump_config(stage_cfg, secrets=True))  # read by the child, then deleted
+    config.chmod(0o600)
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
     what = f"{stage} to {through}" if through else stage
     print(f"[eyas:run] {what}: in vLLM, one process apart from the ranks: {sys.executable} -m eyas {command} {config}",
@@ -435,8 +436,6 @@ def _follow(cfg: EyasConfig, rank: int, control) -> dict[str, Any]:
 
 
 def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
-    from eyas import vllm_engine
-
     configs, stages = stage_plan(cfg)
     if cfg.stop_after and cfg.stop_after not in stages:
         raise ConfigError(f"--stop_after={cfg.stop_after}: this run has no {cfg.stop_after} stage (its stages: "
@@ -453,12 +452,28 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
     print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
     (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end or on failure
     record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
-    changed = False  # a stage ran in this invocation: every later stage's output is out of date
-    ran_apart: set[str] = set()  # stages a child `eyas run` ran (RanThrough), checked as outputs here
     # the hash of the previous stage's meta.json as this run leaves it; the first stage's input is
     # the data file itself, so an edited file (same path) re-runs it
     upstream = source_fingerprint(configs[stages[0]].prepare.data)
+    current: list[Any] = [stages[0], time.perf_counter(), time.time()]  # the stage in hand, for an interruption
+    try:
+        return _stages(cfg, run_dir, runner, configs, stages, keys, upstream, record, current)
+    except BaseException as e:  # Ctrl-C or SIGTERM between a stage's own steps (its meta, the plots): said too
+        if not getattr(e, RECORDED, False):
+            stage = current[0]
+            _record_failure(cfg, run_dir, record, stage, cfg.stage_dir(stage), e, time.perf_counter() - current[1],
+                            current[2])
+        raise
+
+
+def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfig], stages: list[str],
+            keys: dict[str, str], upstream: str, record: dict[str, Any], current: list[Any]) -> dict[str, Any]:
+    from eyas import vllm_engine
+
+    changed = False  # a stage ran in this invocation: every later stage's output is out of date
+    ran_apart: set[str] = set()  # stages a child `eyas run` ran (RanThrough), checked as outputs here
     for s in stages:
+        current[:] = [s, time.perf_counter(), time.time()]
         out = cfg.stage_dir(s)
         state, meta = ("stale", {}) if changed else stage_state(out, s, keys[s], upstream)
         if state == "partial" and s in RESUMABLE and s not in cfg.accept_partial_stages():
@@ -632,11 +647,16 @@ def _check_train_start(cfg: EyasConfig, configs: dict[str, EyasConfig], stages: 
         raise
 
 
+RECORDED = "_eyas_recorded_in_summary"
+
+
 def _record_failure(cfg: EyasConfig, run_dir: Path, record: dict[str, Any], stage: str, out: Path,
                     exc: Exception, wall: float, started: float) -> None:
     """summary.json for a run a stage failed: the stages so far, the failure (type, message,
     traceback), and the evaluation's numbers when evaluate wrote its results before failing (a
     lossless-check failure does). A failure to write it is reported, never raised over `exc`."""
+    with contextlib.suppress(AttributeError):  # recorded once, however many handlers it passes through
+        setattr(exc, RECORDED, True)
     if isinstance(exc, ApartRunFailed) and (run_dir / "summary.json").is_file():
         print(f"[eyas:run] {stage} and the stages after it ran in one process apart, which stopped; what it did: "
               f"{run_dir / 'summary.json'}", file=sys.stderr, flush=True)

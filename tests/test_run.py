@@ -110,7 +110,7 @@ def test_run_with_every_stage_directory_moved(tmp_path, smollm2_dir, capsys):
     moved = [f"--{s}.out_dir={d}" for s, d in dirs.items()]
     assert cli(["run", y, *moved]) == 0
     assert stages_line(capsys.readouterr().out) == {s: "ran" for s in everything}
-    assert sorted(p.name for p in run.iterdir()) == ["run.log", "summary.json"]
+    assert sorted(p.name for p in run.iterdir()) == [".eyas.lock", "run.log", "summary.json"]
     summary = json.loads((run / "summary.json").read_text())
     assert {s: summary["stages"][s]["dir"] for s in everything} == {s: str(d) for s, d in dirs.items()}
     assert summary["lossless"] is True

@@ -92,8 +92,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     return from_dict(EyasConfig, data)
 
 
-def dump_config(cfg: EyasConfig) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+def dump_config(cfg: EyasConfig, secrets: bool = False) -> str:
+    """The config as YAML, URL passwords shown as *** unless `secrets` (see config.base.to_dict)."""
+    return yaml.safe_dump(to_dict(cfg, secrets), sort_keys=False)
 
 
 def describe(cls: type = EyasConfig, prefix: str = "") -> list[str]:

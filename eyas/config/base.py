@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from eyas.errors import ConfigError
+from eyas.errors import ConfigError, redact_urls
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -151,14 +151,17 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         raise ConfigError(f"{prefix + ': ' if prefix else ''}{e}") from None
 
 
-def to_dict(obj: Any) -> Any:
-    """Dataclass -> plain dict (recursively)."""
+def to_dict(obj: Any, secrets: bool = False) -> Any:
+    """Dataclass -> plain dict (recursively), URL passwords shown as *** (eyas.errors.redact_urls)
+    unless `secrets` (a config handed to a child process, never to a file that stays)."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {f.name: to_dict(getattr(obj, f.name), secrets) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
-        return [to_dict(v) for v in obj]
+        return [to_dict(v, secrets) for v in obj]
     if isinstance(obj, dict):
-        return {k: to_dict(v) for k, v in obj.items()}
+        return {k: to_dict(v, secrets) for k, v in obj.items()}
+    if isinstance(obj, str) and not secrets:
+        return redact_urls(obj)
     return obj
 
 

@@ -51,7 +51,13 @@ class RegenerateConfig:
     device: str = ""
     """hf backend device (empty = cuda if available, else cpu)."""
     server_url: str = "http://127.0.0.1:8000"
-    """server backend: base URL (the endpoint is {server_url}/v1/chat/completions)."""
+    """server backend: base URL (the endpoint is {server_url}/v1/chat/completions). Credentials in it
+    (`https://user:password@host`) go as HTTP basic auth and are shown as `user:***@host` in every
+    file and message eyas writes."""
+    server_api_key_env: str = ""
+    """server backend: the name of an environment variable holding the server's API key (vLLM's
+    `--api-key`), sent as `Authorization: Bearer ...`; the key itself never enters a config, file
+    or log. Empty = no key."""
     server_model: str = ""
     """server backend: the `model` field of each request (empty = target.model)."""
     concurrency: int = 16
@@ -60,6 +66,10 @@ class RegenerateConfig:
     """server backend: attempts after the first for connection errors and HTTP 5xx/429 (then the run fails)."""
     timeout_s: float = 600.0
     """server backend: seconds per request."""
+    stall_s: float = 60.0
+    """server backend: answers are streamed (one event per token); a request that receives nothing
+    for this many seconds (a server that stopped generating but keeps its connections open) is
+    reported as stalled when it happens, and retried like a failed one."""
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/regenerate."""
     extra_body: dict = field(default_factory=dict)
@@ -99,6 +109,11 @@ class RegenerateConfig:
         require(self.chunk_conversations >= 1, f"regenerate.chunk_conversations={self.chunk_conversations} must be >= 1")
         require(self.concurrency >= 1, f"regenerate.concurrency={self.concurrency} must be >= 1")
         require(self.retries >= 0, f"regenerate.retries={self.retries} must be >= 0")
+        require(self.stall_s > 0 and self.timeout_s > 0,
+                f"regenerate.stall_s={self.stall_s} and regenerate.timeout_s={self.timeout_s} must be > 0")
+        require(not self.server_api_key_env or self.server_api_key_env.replace("_", "a").isalnum(),
+                f"regenerate.server_api_key_env={self.server_api_key_env!r} names the environment variable that "
+                "holds the key (e.g. VLLM_API_KEY), not the key itself")
         require(self.max_prompt_tokens >= 8, f"regenerate.max_prompt_tokens={self.max_prompt_tokens} is too small")
         require(self.self_prompts >= 0, f"regenerate.self_prompts={self.self_prompts} must be >= 0 (0 = none)")
         require(self.self_prompts == 0 or self.backend == "hf",

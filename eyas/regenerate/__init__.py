@@ -210,6 +210,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         "load_counts": dict(load_counts),
         "self_prompts": self_counts,
         "server_retries": getattr(backend, "retried", 0),
+        "server_stalls": getattr(backend, "stalls", 0),
     }
     artifacts.write_meta(
         out,

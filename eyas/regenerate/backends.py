@@ -9,9 +9,12 @@
                  split off into `Answer.reasoning` (eyas.chat.split_think); `<think>`/`</think>`
                  are kept through decoding also where they are special tokens.
   ServerBackend  an OpenAI-compatible /v1/chat/completions endpoint (vllm serve, SGLang) with
-                 bounded concurrency; connection errors, HTTP 429 and 5xx are retried `retries`
-                 times with backoff, then the run fails naming the conversation, the attempts and
-                 the last error. `generate_messages(chats, ids) -> [Answer]`. The response
+                 bounded concurrency, answers streamed: connection errors, HTTP 429 and 5xx, an
+                 answer cut off, and a stall (nothing received for `stall_s`, reported when it
+                 happens) are retried `retries` times with backoff, then the run fails naming the
+                 conversation, the attempts and the last error. An API key comes from the
+                 environment variable `server_api_key_env`; URL credentials go as basic auth and
+                 are shown redacted. `generate_messages(chats, ids) -> [Answer]`. The response
                  message's `reasoning_content` (SGLang, vLLM before 0.11) or `reasoning` (vLLM)
                  is the answer's reasoning; without either, a thinking block inline in `content`
                  is split off as the HF backend does.
@@ -19,9 +22,15 @@
 
 from __future__ import annotations
 
+import base64
+import http.client
 import json
+import os
+import socket
+import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,7 +38,7 @@ from typing import Any
 
 from eyas.chat import REASONING, THINK_END, THINK_START, split_think
 from eyas.config import EyasConfig
-from eyas.errors import EyasError, exception_message
+from eyas.errors import ConfigError, EyasError, exception_message, redact_urls
 
 
 @dataclass
@@ -213,13 +222,15 @@ def eos_ids(eos, tok) -> list[int]:
 
 
 class ServerBackend:
-    """An OpenAI-compatible /v1/chat/completions endpoint (vllm serve, SGLang, ...)."""
+    """An OpenAI-compatible /v1/chat/completions endpoint (vllm serve, SGLang, ...), answers streamed."""
 
     def __init__(self, cfg: EyasConfig):
         self.rc = cfg.regenerate
-        self.url = self.rc.server_url.rstrip("/") + "/v1/chat/completions"
+        self.url, self.headers = server_endpoint(self.rc)
+        self.shown = redact_urls(self.rc.server_url.rstrip("/") + "/v1/chat/completions")  # in messages
         self.model = self.rc.server_model or cfg.target.model
         self.retried = 0
+        self.stalls = 0
 
     def generate_messages(self, prompts: list[list[dict[str, str]]], ids: list[str]) -> list[Answer]:
         """Answers to the chats (earlier assistant turns carry their `reasoning_content`: the
@@ -234,41 +245,118 @@ class ServerBackend:
             "max_tokens": self.rc.max_new_tokens,
             "temperature": self.rc.temperature,
             "top_p": self.rc.top_p,
+            "stream": True,
+            "stream_options": {"include_usage": True},
             **self.rc.extra_body,
         }
         data = json.dumps(body).encode()
         last = ""
-        for attempt in range(self.rc.retries + 1):
+        attempts = self.rc.retries + 1
+        for attempt in range(attempts):
             if attempt:
                 self.retried += 1
                 time.sleep(min(2.0 ** (attempt - 1), 30.0))
-            req = urllib.request.Request(self.url, data=data, headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=self.rc.timeout_s) as resp:
-                    payload = json.loads(resp.read())
+            req = urllib.request.Request(self.url, data=data, headers=self.headers)
+            try:  # the socket timeout bounds each read: with one event per token, silence means a stall
+                with urllib.request.urlopen(req, timeout=self.rc.stall_s) as resp:
+                    if resp.headers.get_content_type() == "text/event-stream":
+                        text, reasoning, n, reason = self._read_stream(resp, conv_id, time.monotonic() + self.rc.timeout_s)
+                    else:  # a server that answers in one piece
+                        text, reasoning, n, reason = self._read_whole(json.loads(resp.read()), conv_id)
             except urllib.error.HTTPError as e:
-                detail = e.read().decode(errors="replace")[:2000]
+                detail = redact_urls(e.read().decode(errors="replace")[:2000])
                 last = f"HTTP {e.code} {e.reason}: {detail}"
                 if e.code == 429 or e.code >= 500:
                     continue
-                raise EyasError(f"regenerate: {self.url} refused conversation {conv_id}: {last}") from None
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-                last = f"{type(e).__name__}: {exception_message(e)}"
+                hint = (" (the server wants an API key: put it in an environment variable and name that variable in "
+                        "--regenerate.server_api_key_env)" if e.code == 401 else "")
+                raise EyasError(f"regenerate: {self.shown} refused conversation {conv_id}: {last}{hint}") from None
+            except (TimeoutError, socket.timeout) as e:
+                self.stalls += 1
+                last = (exception_message(e) if "timeout_s" in str(e) else
+                        f"no data for {self.rc.stall_s:g} s: the server stalled (regenerate.stall_s)")
+                print(f"[eyas:regenerate] conversation {conv_id}: {last}; {self.shown}, attempt {attempt + 1} of "
+                      f"{attempts}", file=sys.stderr, flush=True)
                 continue
-            try:
-                choice = payload["choices"][0]
-                message = choice["message"]
-                text = message["content"] or ""
-                reasoning = message.get(REASONING) or message.get("reasoning") or ""
-                n = int((payload.get("usage") or {}).get("completion_tokens", 0))
-                reason = choice.get("finish_reason") or "stop"
-                if not (isinstance(text, str) and isinstance(reasoning, str)):
-                    raise TypeError("content and reasoning must be strings")
-            except (KeyError, IndexError, TypeError, AttributeError) as e:
-                raise EyasError(f"regenerate: malformed response from {self.url} for conversation {conv_id}: {str(payload)[:500]}") from e
+            except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as e:
+                last = redact_urls(f"{type(e).__name__}: {exception_message(e)}")
+                continue
+            except _RetryableStreamError as e:
+                last = str(e)
+                continue
             if not reasoning:  # a server without a reasoning parser: the thinking block is in the content
                 reasoning, text = split_think(text)
             return Answer(text.strip(), n, "length" if reason == "length" else "stop", reasoning.strip())
-        raise EyasError(
-            f"regenerate: conversation {conv_id} failed after {self.rc.retries + 1} attempts at {self.url}; last error: {last}"
-        )
+        raise EyasError(f"regenerate: conversation {conv_id} failed after {attempts} attempts at {self.shown}; "
+                        f"last error: {last}")
+
+    def _read_stream(self, resp, conv_id: str, deadline: float) -> tuple[str, str, int, str]:
+        """(content, reasoning, completion tokens, finish reason) from server-sent events."""
+        text, reasoning, n, reason = [], [], 0, "stop"
+        for raw in resp:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the answer took longer than regenerate.timeout_s={self.rc.timeout_s:g} s")
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("data:"):
+                continue
+            event = line[5:].strip()
+            if event == "[DONE]":
+                return "".join(text), "".join(reasoning), n, reason
+            try:
+                chunk = json.loads(event)
+                if "error" in chunk:
+                    raise _RetryableStreamError(f"the server reported an error mid-answer: {str(chunk['error'])[:500]}")
+                usage = chunk.get("usage") or {}
+                n = int(usage.get("completion_tokens") or n)
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    text.append(delta.get("content") or "")
+                    reasoning.append(delta.get(REASONING) or delta.get("reasoning") or "")
+                    reason = choice.get("finish_reason") or reason
+            except (ValueError, TypeError, AttributeError) as e:
+                raise EyasError(f"regenerate: malformed event from {self.shown} for conversation {conv_id}: "
+                                f"{event[:500]!r} ({type(e).__name__}: {exception_message(e)})") from e
+            if not all(isinstance(x, str) for x in (text[-1:] + reasoning[-1:])):
+                raise EyasError(f"regenerate: malformed event from {self.shown} for conversation {conv_id}: "
+                                f"{event[:500]!r} (content and reasoning must be strings)")
+        raise _RetryableStreamError("the connection closed before the answer's end ([DONE])")
+
+    def _read_whole(self, payload: dict[str, Any], conv_id: str) -> tuple[str, str, int, str]:
+        try:
+            choice = payload["choices"][0]
+            message = choice["message"]
+            text = message["content"] or ""
+            reasoning = message.get(REASONING) or message.get("reasoning") or ""
+            n = int((payload.get("usage") or {}).get("completion_tokens", 0))
+            if not (isinstance(text, str) and isinstance(reasoning, str)):
+                raise TypeError("content and reasoning must be strings")
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
+            raise EyasError(f"regenerate: malformed response from {self.shown} for conversation {conv_id}: "
+                            f"{str(payload)[:500]}") from e
+        return text, reasoning, n, choice.get("finish_reason") or "stop"
+
+
+class _RetryableStreamError(Exception):
+    """A streamed answer that broke off (closed early, an error event): retried like a 5xx."""
+
+
+def server_endpoint(rc) -> tuple[str, dict[str, str]]:
+    """(the chat-completions URL without credentials, the request headers): credentials in
+    regenerate.server_url become basic auth, the key in the environment variable
+    regenerate.server_api_key_env a bearer token. ConfigError when that variable is unset."""
+    parts = urllib.parse.urlsplit(rc.server_url.rstrip("/") + "/v1/chat/completions")
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    if parts.username is not None:
+        user = urllib.parse.unquote(parts.username) + ":" + urllib.parse.unquote(parts.password or "")
+        headers["Authorization"] = "Basic " + base64.b64encode(user.encode()).decode()
+        parts = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else ""))
+    if rc.server_api_key_env:
+        key = os.environ.get(rc.server_api_key_env, "")
+        if not key:
+            raise ConfigError(f"regenerate.server_api_key_env={rc.server_api_key_env}: that environment variable is "
+                              "not set or empty; export the server's API key in it")
+        if "Authorization" in headers:
+            raise ConfigError("regenerate.server_url carries credentials and regenerate.server_api_key_env names a key: "
+                              "give one of them")
+        headers["Authorization"] = f"Bearer {key}"
+    return urllib.parse.urlunsplit(parts), headers

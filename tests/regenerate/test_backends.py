@@ -182,3 +182,38 @@ def test_an_answer_cut_while_thinking_is_reasoning_without_content():
     assert a("step 1</think>The answer", "stop", True) == ("step 1", "The answer")
     assert a("<think>r</think>The ans", "length", False) == ("r", "The ans")
     assert a("A plain answer cut sho", "length", False) == ("", "A plain answer cut sho")
+
+
+def test_url_credentials_go_as_basic_auth_and_are_redacted_in_files_and_messages(tmp_path, data, capsys):
+    import base64
+    import socket
+
+    from eyas.config import dump_config
+    from eyas.regenerate.backends import server_endpoint
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = cfg_for(tmp_path, data, "--regenerate.backend=server", f"--regenerate.server_url=http://ann:s3cr%40t@127.0.0.1:{port}",
+                  "--regenerate.retries=0", "--prepare.max_conversations=1")
+    url, headers = server_endpoint(cfg.regenerate)
+    assert url == f"http://127.0.0.1:{port}/v1/chat/completions"
+    assert headers["Authorization"] == "Basic " + base64.b64encode(b"ann:s3cr@t").decode()
+    assert "s3cr" not in dump_config(cfg) and f"http://ann:***@127.0.0.1:{port}" in dump_config(cfg)
+    with pytest.raises(EyasError) as e:
+        regenerate(cfg)
+    assert f"http://ann:***@127.0.0.1:{port}/v1/chat/completions" in str(e.value) and "s3cr" not in str(e.value)
+    assert "s3cr" not in (tmp_path / "regenerate" / "config.yaml").read_text()
+
+
+def test_an_api_key_comes_only_from_the_variable_the_config_names(tmp_path, data, monkeypatch):
+    from eyas.regenerate.backends import server_endpoint
+
+    cfg = cfg_for(tmp_path, data, "--regenerate.backend=server", "--regenerate.server_api_key_env=EYAS_TEST_KEY_VAR")
+    monkeypatch.delenv("EYAS_TEST_KEY_VAR", raising=False)
+    with pytest.raises(EyasError, match="EYAS_TEST_KEY_VAR: that environment variable is not set"):
+        server_endpoint(cfg.regenerate)
+    monkeypatch.setenv("EYAS_TEST_KEY_VAR", "k-123")
+    assert server_endpoint(cfg.regenerate)[1]["Authorization"] == "Bearer k-123"
+    with pytest.raises(EyasError, match="names the environment variable that holds the key"):
+        cfg_for(tmp_path, data, "--regenerate.server_api_key_env=sk-abc.def")

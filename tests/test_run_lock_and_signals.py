@@ -1,0 +1,83 @@
+"""What a run directory survives from outside: a second command on it, and SIGTERM.
+
+* A second eyas command on a run directory another one holds stops at once, naming the holder
+  (pid, host, command line), and touches nothing; a holder killed with SIGKILL leaves no lock.
+* SIGTERM (a scheduler's stop or a preemption) in the middle of `eyas run`'s training: exit 143,
+  summary.json names the stage as interrupted with the signal, and the same command afterwards
+  continues from the stage directory it left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from eyas.cli import main as cli
+from tests.data import write_synthetic_chats
+from tests.models import save_tiny
+
+HOLD = """
+import sys, time
+from eyas.artifacts import run_dir_lock
+with run_dir_lock(sys.argv[1], "run"):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_second_command_on_a_held_run_directory_names_the_holder_and_touches_nothing(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "prepare").mkdir(parents=True)
+    (run / "prepare" / "tokens.safetensors").write_bytes(b"the first command's output")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        chats = write_synthetic_chats(tmp_path / "chats.jsonl", 2)
+        for command in (["run"], ["prepare"]):
+            assert cli([*command, f"--run_dir={run}", f"--prepare.data={chats}", "--target.model=/nonexistent"]) == 2
+            err = capsys.readouterr().err
+            assert f"run directory {run} is in use by another eyas command (pid {holder.pid} on " in err
+            assert "--run_dir" in err and str(run / ".eyas.lock") in err
+        assert (run / "prepare" / "tokens.safetensors").read_bytes() == b"the first command's output"
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    # the kernel released the killed holder's lock: the next command gets past it (and fails on its own terms)
+    assert cli(["prepare", f"--run_dir={run}", f"--prepare.data={chats}", "--target.model=/nonexistent"]) == 2
+    assert "in use" not in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sigterm_in_the_middle_of_training_leaves_a_summary_and_the_same_command_continues(tmp_path, smollm2_dir):
+    target = save_tiny("llama", tmp_path / "tiny", smollm2_dir)
+    chats = write_synthetic_chats(tmp_path / "chats.jsonl", 8, max_words=40)
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "eyas", "run", f"--run_dir={run}", f"--target.model={target}", "--target.dtype=float32",
+            f"--prepare.data={chats}", "--prepare.max_length=128", "--prepare.draft_vocab_size=500",
+            "--train.ttt_steps=2", "--train.max_tokens=512", "--train.log_every=1", "--train.eval_fraction=0.0",
+            "--train.epochs=200", "--train.max_steps=300", "--train.save_every=5", "--evaluate.num_questions=1", "--evaluate.max_new_tokens=4", "--evaluate.mode=chain"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    log = tmp_path / "first.log"
+    with open(log, "w") as f:
+        first = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 300
+    while not list(run.glob("train/checkpoints/*/")) and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert first.poll() is None, log.read_text()[-3000:]
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(120) == 143, log.read_text()[-3000:]
+    out = log.read_text()
+    assert "eyas run: terminated (SIGTERM)" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["failed_stage"] == "train" and summary["stages"]["train"]["status"] == "interrupted"
+    assert summary["stages"]["train"]["error"]["type"] == "eyas.errors.Terminated"
+    assert summary["stages"]["extract"]["status"] == "ran"
+    second = subprocess.run(args, check=False, capture_output=True, text=True, env=env, timeout=600)
+    assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
+    assert "[eyas:run] train: resuming" in second.stdout and "extract: up to date" in second.stdout
