@@ -170,8 +170,12 @@ def test_exported_draft_loads_and_decodes_the_same(tiny_run, tmp_path):
 @pytest.mark.slow
 def test_eyas_evaluate_smollm2_lossless(tmp_path, smollm2_dir):
     """The real SmolLM2-135M-Instruct with a random Eagle3Draft, two MT-bench questions, both modes:
-    lossless under greedy (fp32 on CPU)."""
-    from transformers import AutoConfig
+    lossless under greedy (fp32 on CPU), and the target-only outputs the check compares with are
+    transformers' own `generate` (not only eyas's decoder, which shares the target forward with the
+    speculative one)."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from eyas.draft import DraftConfig, Eagle3Draft
     from eyas.draft_files import save_draft
@@ -187,3 +191,12 @@ def test_eyas_evaluate_smollm2_lossless(tmp_path, smollm2_dir):
     ])  # fmt: skip
     r = main(cfg)
     assert r["lossless"] is True and r["num_prompts"] == 2 and r["tau_chain"] >= 1 and r["tau_tree"] >= 1
+    runs = json.loads((tmp_path / "evaluate" / "target_outputs.json").read_text())["runs"]
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    assert len(runs) == 2
+    for run in runs:
+        ids = torch.tensor([run["prompt_ids"]])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                                 temperature=None, top_p=None, top_k=None)
+        assert run["tokens"] == out[0, ids.shape[1]:].tolist(), run["id"]
