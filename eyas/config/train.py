@@ -155,6 +155,11 @@ class TrainConfig:
     """Cap on held-out micro-batches per evaluation (0 = all)."""
     log_every: int = 10
     """Log loss, accuracy per TTT step, acceptance length, lr, grad norm, tokens/s every N steps."""
+    collapse_steps: int = 10
+    """Stop with the numbers when training has collapsed for this many steps in a row: the gradient
+    norm exactly 0, or the loss unchanged to 1e-7 with step-0 accuracy 0 across logged windows (a
+    dead draft: its outputs no longer depend on its weights, typically a learning rate far too
+    high). A run that ends sooner is judged over its second half. 0 = never."""
     save_every: int = 500
     """Write a checkpoint every N optimizer steps (0 = only the final one)."""
     keep_checkpoints: int = 2
@@ -256,6 +261,7 @@ class TrainConfig:
         for name in ("eval_every", "eval_max_batches", "save_every", "keep_checkpoints"):
             require(getattr(self, name) >= 0, f"train.{name}={getattr(self, name)} must be >= 0")
         require(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
+        require(self.collapse_steps >= 0, f"train.collapse_steps={self.collapse_steps} must be >= 0 (0 = never)")
         require(self.num_workers >= -1, f"train.num_workers={self.num_workers} must be >= 0 (or -1 = auto)")
         require(self.target_group_tokens >= 0,
                 f"train.target_group_tokens={self.target_group_tokens} must be >= 0 (0 = one forward per batch)")

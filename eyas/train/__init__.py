@@ -119,6 +119,6 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
         )
         write_meta(final, "train", **meta)
         return write_meta(out, "train", **meta)
-    except Exception as e:  # recorded (type, message, traceback) in errors.jsonl, then re-raised
-        record_failure(out, e, rank)
+    except Exception as e:  # recorded (type, message, traceback; the step and samples) in errors.jsonl, re-raised
+        record_failure(out, e, rank, **getattr(e, "eyas_context", {}))
         raise

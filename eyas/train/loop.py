@@ -33,6 +33,56 @@ class TrainingDiverged(EyasError):
     """The loss or the gradient norm went NaN/inf; training stopped before applying the update."""
 
 
+class TrainingCollapsed(EyasError):
+    """The draft stopped learning (CollapseWatch): its gradient is 0 or its loss frozen at accuracy 0."""
+
+
+FEW_STEPS = 10
+"""Fewer optimizer steps than this, when the data sets their number (no train.max_steps), are refused."""
+
+
+class CollapseWatch:
+    """Counts the optimizer steps in a row of a collapsed training, from each logged window's global
+    numbers (the same on every rank, so every rank stops together): steps whose gradient norm is
+    exactly 0 while positions were trained, and windows whose loss equals the window before's (to
+    1e-7 relative) at step-0 accuracy 0. `check` raises TrainingCollapsed at `limit` such steps, or
+    at the end of a shorter run when its second half collapsed."""
+
+    def __init__(self, limit: int, total: int, lr: float):
+        self.limit, self.total, self.lr = limit, total, lr
+        self.dead = 0  # trailing steps with a zero gradient norm
+        self.flat = 0  # trailing steps of windows with an unchanged loss at accuracy 0
+        self.last_loss: float | None = None
+
+    def check(self, done: int, step_norms: list[float], rec: dict[str, Any]) -> None:
+        if not self.limit:
+            return
+        trained = sum(rec["valid_T"]) > 0
+        for g in step_norms:
+            self.dead = self.dead + 1 if trained and g == 0.0 else 0
+        loss, acc0 = rec["loss"], rec["acc_T"][0]
+        same = self.last_loss is not None and abs(loss - self.last_loss) <= 1e-7 * max(abs(loss), 1e-12)
+        self.flat = self.flat + len(step_norms) if same and acc0 == 0 else 0
+        self.last_loss = loss
+        limit = self.limit if done < self.total else min(self.limit, max(2, self.total // 2))
+        worst = max(self.dead, self.flat)
+        if worst >= limit:
+            what = (f"the gradient norm was exactly 0 over the last {self.dead} steps" if self.dead >= self.flat else
+                    f"the loss stayed at {loss:.6g} with step-0 accuracy 0 over the last {self.flat} steps")
+            raise TrainingCollapsed(
+                f"training collapsed at step {done}: {what} (loss {loss:.4f}, step-0 accuracy {acc0:.3f}); the draft "
+                f"no longer learns. The usual cause is a learning rate far too high (train.lr={self.lr:g}); lower it "
+                "and train again (--train.resume=auto would continue the collapsed state). --train.collapse_steps=0 "
+                "turns this check off")
+
+
+def draft_fingerprint(model) -> torch.Tensor:
+    """One float64 sum per parameter tensor (device-side): equal before and after a run only if no
+    parameter changed."""
+    with torch.no_grad():  # FSDP2: this rank's shard
+        return torch.stack([getattr(p, "to_local", lambda p=p: p)().detach().double().sum() for p in model.parameters()])
+
+
 @dataclass
 class Teacher:
     """The target's lm_head and the draft-vocab maps: final states -> teacher targets."""
@@ -149,6 +199,7 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
     # .item(): one deliberate host sync per optimizer step, so a non-finite update is never applied
     if not bool((torch.isfinite(loss_sum_T).all() & torch.isfinite(grad_norm)).item()):
         raise_non_finite(step, batches, loss_sum_T, grad_norm)
+    lr = tr.scheduler.get_last_lr()[0]  # this step's (after scheduler.step(): the next one's)
     tr.optimizer.step()
     tr.scheduler.step()
     tr.optimizer.zero_grad(set_to_none=True)
@@ -156,7 +207,7 @@ def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -
     mask_T = torch.tensor([sum(len(b.rows_T[i]) for b in batches) for i in range(tr.tc.ttt_steps)])
     return {"loss_sum_T": loss_sum_T, "correct_T": correct_T, "valid_T": valid_T, "reached_T": reached_T,
             "chain_T": alive_T, "kept_T": trained_T, "mask_T": mask_T, "grad_norm": grad_norm.detach().float(),
-            "tokens": sum(b.num_tokens for b in batches)}
+            "tokens": sum(b.num_tokens for b in batches), "lr": lr}
 
 
 def raise_non_finite(step: int, batches: list[Batch], loss_sum_T: torch.Tensor, grad_norm: torch.Tensor) -> None:
@@ -165,7 +216,7 @@ def raise_non_finite(step: int, batches: list[Batch], loss_sum_T: torch.Tensor, 
     term = ", ".join(bad) if bad else "gradient norm"
     ids = [s for b in batches for s in b.sample_ids]
     raise TrainingDiverged(
-        f"step {step}: non-finite {term} (loss sums per TTT step {losses}, grad norm {float(grad_norm)}) "
+        f"step {step + 1}: non-finite {term} (loss sums per TTT step {losses}, grad norm {float(grad_norm)}) "
         f"on samples {ids}; lower --train.lr, check these samples' hidden states, or resume from an earlier checkpoint"
     )
 
@@ -237,6 +288,13 @@ class Schedule:
             )
         full = sum(self.steps_per_epoch)
         self.total = min(tc.max_steps, full) if tc.max_steps else full
+        if not tc.max_steps and full < FEW_STEPS:
+            raise EyasError(
+                f"the training data makes only {full} optimizer step(s) ({len(indices)} samples x train.epochs="
+                f"{tc.epochs}, packed into train.max_tokens={tc.max_tokens} x grad_accum {tc.grad_accum} x {world} "
+                f"rank(s)): a draft trained so barely moves from its start. Add data (prepare.max_conversations, "
+                f"regenerate), raise --train.epochs, lower --train.max_tokens, or set --train.max_steps to train "
+                "that few steps on purpose")
         self.split_digest = hash_json(indices)[:16]  # in checkpoints: a resume on another split is flagged
 
     def plans(self, epoch: int, rank: int | None = None) -> list[list[int]]:
@@ -403,10 +461,17 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
 
     step, epoch = start, sched.position(start)[0]
     end, t_fit = sched.total, time.perf_counter()
+    watch = CollapseWatch(tc.collapse_steps, sched.total, tc.lr)
+    before = draft_fingerprint(tr.model)
     tr.model.train()
     windows = Lookahead(tr, micro_batches(tr, sched, source, start, pad_multiple, num_workers))
     for step, epoch, batches in windows:
-        out_s = train_step(tr, batches, step, before_sync=windows.launch_next)
+        try:
+            out_s = train_step(tr, batches, step, before_sync=windows.launch_next)
+        except BaseException as e:  # errors.jsonl names the step and this rank's samples (train/__init__.py)
+            with contextlib.suppress(AttributeError):
+                e.eyas_context = {"step": step + 1, "sample_ids": [i for b in batches for i in b.sample_ids]}
+            raise
         for k in acc:
             acc[k] += out_s[k]
         tokens += out_s["tokens"]
@@ -417,8 +482,9 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             num_tokens = float(all_reduce_sum(torch.tensor(float(tokens), device=tr.device)).item())  # logging sync
             dt = time.perf_counter() - t0 - paused
             windows_log.append((num_tokens, dt))
-            last_train = dict(step=done, epoch=epoch, split="train", **rec, lr=tr.scheduler.get_last_lr()[0],
-                              grad_norm=float(torch.stack(norms).mean()), tokens=int(num_tokens),
+            step_norms = torch.stack(norms).tolist()
+            last_train = dict(step=done, epoch=epoch, split="train", **rec, lr=out_s["lr"],
+                              grad_norm=sum(step_norms) / len(step_norms), tokens=int(num_tokens),
                               tokens_per_s=num_tokens / max(dt, 1e-9), seconds=dt, loader_s=windows.loader_s)
             windows.loader_s = 0.0
             log.write(last_train)
@@ -431,6 +497,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
                       f"{last_train['tokens_per_s']:.0f} tok/s (loader {last_train['loader_s']:.1f} of {dt:.1f} s)",
                       flush=True)
             acc = {k: v.clone() for k, v in zero.items()}
+            watch.check(done, step_norms, rec)
             # until the next logging step: a window as long as this one (its side work included) and
             # the evaluation and checkpoint due now, as long as the last ones (0 before the first)
             window_s = time.perf_counter() - t0 + side_s["eval"] * eval_due(done) + side_s["save"] * save_due(done)
@@ -458,6 +525,10 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             side_s["save"] = time.perf_counter() - t_save
         paused += time.perf_counter() - t_side
     windows.close()  # a window prepared for a step past the time budget is dropped before evaluation
+    changed = torch.tensor(float(not torch.equal(before, draft_fingerprint(tr.model))), device=tr.device)
+    if start < end and float(all_reduce_sum(changed).item()) == 0:  # one verdict on every rank
+        raise TrainingCollapsed(f"the draft did not change in {end - start} optimizer steps (train.lr={tc.lr:g}, "
+                                f"last gradient norm {last_train.get('grad_norm', 0.0):.3g}): nothing was trained")
     if eval_loader_fn is not None:
         last_eval = dict(step=end, epoch=epoch, split="eval", **evaluate(tr, eval_loader_fn(), tc.eval_max_batches))
         log.write(last_eval)
@@ -518,6 +589,8 @@ def save(tr: Trainer, ckpt_root: Path, step: int, sched: Schedule, draft_cfg: Dr
                     tr.tc.keep_checkpoints)
 
 
-def record_failure(out: Path, exc: BaseException, rank: int, step: int | None = None) -> None:
-    record_error(out / "errors.jsonl" if out.is_dir() else None, exc, stage="train", rank=rank,
+def record_failure(out: Path, exc: BaseException, rank: int, step: int | None = None, sample_ids=()) -> None:
+    """errors.jsonl: the failure with its rank, and the optimizer step and this rank's samples when it
+    happened inside a step."""
+    record_error(out / "errors.jsonl" if out.is_dir() else None, exc, stage="train", rank=rank, sample_ids=sample_ids,
                  **({"step": step} if step is not None else {}))

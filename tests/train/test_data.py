@@ -20,7 +20,7 @@ def test_offline_equals_online_for_one_step(tmp_path, smol_prep, tiny_target, gr
     from eyas.prepared import Prepared
     from eyas.train.target_weights import load_embed_and_head
 
-    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.grad_accum=2",
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.grad_accum=2", "--train.max_steps=1",
                    f"--train.target_group_tokens={group_tokens}")
     online = build.load_data(cfg, torch.device("cpu"))  # the target captures states per batch
     assert online.states.group_overhead_tokens == (group_tokens or None)

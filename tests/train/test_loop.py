@@ -149,7 +149,7 @@ def test_accumulated_window_equals_one_packed_row(tmp_path, smol_prep, tiny_targ
     from eyas.train.data import pack
     from eyas.train.loop import train_step
 
-    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.grad_accum=2")
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.grad_accum=2", "--train.max_steps=1")
     data = build.load_data(cfg, torch.device("cpu"))
     tr, sched, train_idx, step, batches = first_window(cfg, data)
     by_id = {str(data.source[i]["id"]): i for i in train_idx}
@@ -187,7 +187,7 @@ def test_one_step_with_the_compiled_loss_kernel_equals_eager(tmp_path, smol_prep
 def test_non_finite_loss_stops_with_step_samples_and_term(tmp_path, smol_prep, tiny_target):
     from eyas.train.loop import TrainingDiverged
 
-    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_tokens=4096")
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_tokens=4096", "--train.max_steps=1")
     data = build.load_data(cfg, torch.device("cpu"))
     bad = data.source[3]["id"]
     states = data.states
@@ -202,10 +202,11 @@ def test_non_finite_loss_stops_with_step_samples_and_term(tmp_path, smol_prep, t
         return batch
 
     data.states = poisoned
-    with pytest.raises(TrainingDiverged, match=r"step 0: non-finite loss of TTT step 0.*" + bad):
+    with pytest.raises(TrainingDiverged, match=r"step 1: non-finite loss of TTT step 0.*" + bad):  # as the log counts
         run(cfg, data)
     rec = json.loads((cfg.stage_dir("train") / "errors.jsonl").read_text().splitlines()[-1])
     assert rec["type"].endswith("TrainingDiverged") and "Traceback" in rec["traceback"]
+    assert rec["step"] == 1 and bad in rec["sample_ids"]  # the step and the window's samples
 
 
 def test_online_target_failure_names_its_samples(tmp_path, smol_prep, tiny_target):

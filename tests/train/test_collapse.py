@@ -1,0 +1,76 @@
+"""A training that cannot teach the draft anything stops, with the numbers, instead of exporting it:
+
+* a learning rate of 1e4 kills the draft within a step or two (gradient norm exactly 0, loss frozen;
+  at 1e5 and more the gradient turns NaN first, which stops training as before): training stops at
+  train.collapse_steps, naming the steps, the loss, the accuracy and train.lr;
+* the counting itself, on hand-made windows (a window without trained positions is no collapse);
+* data that makes fewer than FEW_STEPS optimizer steps is refused unless train.max_steps asks for
+  that few; each logged lr is the one its step used (the first step of a warmup, not the next);
+* a run whose draft ends bit-identical to its start fails.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eyas.errors import EyasError
+from eyas.train import main as train
+from eyas.train.loop import CollapseWatch, TrainingCollapsed
+from tests.train.runs import tiny_cfg
+
+
+def rec(loss: float, acc0: float = 0.0, valid: int = 10) -> dict:
+    return {"loss": loss, "acc_T": [acc0, 0.0], "valid_T": [valid, valid]}
+
+
+def test_the_watch_counts_zero_gradients_and_frozen_losses_in_a_row():
+    w = CollapseWatch(limit=4, total=100, lr=1e6)
+    w.check(2, [0.6, 0.0], rec(11.39))  # one dead step
+    w.check(4, [0.0, 0.0], rec(11.18))  # three in a row
+    with pytest.raises(TrainingCollapsed, match=r"step 6: the gradient norm was exactly 0 over the last 5 steps.*train.lr=1e\+06"):
+        w.check(6, [0.0, 0.0], rec(11.18))
+    w = CollapseWatch(limit=4, total=100, lr=1.0)
+    w.check(2, [0.1, 0.1], rec(7.5))
+    w.check(4, [0.1, 0.1], rec(7.5, acc0=0.2))  # frozen but accurate: not counted
+    w.check(6, [0.1, 0.1], rec(7.5))  # the same loss as the window before, at accuracy 0: two steps
+    with pytest.raises(TrainingCollapsed, match="step 8: the loss stayed at 7.5 with step-0 accuracy 0 over the last 4"):
+        w.check(8, [0.1, 0.1], rec(7.5000001))  # within 1e-7: frozen
+    w = CollapseWatch(limit=3, total=100, lr=1.0)
+    for done in (1, 2, 3, 4):
+        w.check(done, [0.0], rec(5.0 + done, valid=0))  # nothing trained in these windows: a zero gradient is right
+    assert CollapseWatch(limit=0, total=10, lr=1.0).check(1, [0.0] * 50, rec(1.0)) is None  # off
+    short = CollapseWatch(limit=10, total=6, lr=1.0)  # a run shorter than the limit: its second half judges
+    for done in (1, 2, 3, 4, 5):
+        short.check(done, [0.5 if done == 1 else 0.0], rec(9.0 - done * 0.1))
+    with pytest.raises(TrainingCollapsed, match="over the last 5 steps"):
+        short.check(6, [0.0], rec(8.0))
+
+
+def test_a_huge_learning_rate_stops_training_with_the_numbers(tmp_path, smol_prep, tiny_target):
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.lr=1e4", "--train.epochs=20",
+                   "--train.ttt_steps=2")
+    with pytest.raises(TrainingCollapsed) as e:
+        train(cfg)
+    msg = str(e.value)
+    assert "the gradient norm was exactly 0 over the last 10 steps" in msg and "train.lr=10000" in msg
+    steps = [json.loads(line) for line in (tmp_path / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) < 20 and steps[-1]["grad_norm"] == 0.0  # stopped early, not at the end of 20 epochs
+    assert not (tmp_path / "train" / "meta.json").exists() and (tmp_path / "train" / "errors.jsonl").is_file()
+
+
+def test_few_steps_are_refused_unless_asked_for_and_the_logged_lr_is_the_steps_own(tmp_path, smol_prep, tiny_target):
+    with pytest.raises(EyasError, match=r"only \d optimizer step\(s\).*--train.max_steps to train that few steps on purpose"):
+        train(tiny_cfg(tmp_path / "a", smol_prep, tiny_target, "--train.mode=online", "--train.max_tokens=4096"))
+    train(tiny_cfg(tmp_path / "b", smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=4", "--train.warmup_ratio=0.5",
+                   "--train.min_lr_ratio=0"))
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "b" / "train" / "metrics.jsonl").read_text().splitlines()]
+    assert lrs[0] == pytest.approx(0.5e-3) and lrs[1] == pytest.approx(1e-3)  # warmup 2 steps: 1/2, 2/2 of 1e-3
+    assert lrs[-1] > 0  # the last step's own lr, not the 0 after it
+
+
+def test_a_draft_that_did_not_change_fails_the_run(tmp_path, smol_prep, tiny_target):
+    """At lr 1e-30 every update rounds away in fp32: three steps, the same draft."""
+    with pytest.raises(TrainingCollapsed, match=r"the draft did not change in 3 optimizer steps \(train.lr=1e-30"):
+        train(tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=3", "--train.lr=1e-30"))
