@@ -26,7 +26,6 @@ import base64
 import http.client
 import json
 import os
-import socket
 import sys
 import time
 import urllib.error
@@ -271,7 +270,7 @@ class ServerBackend:
                 hint = (" (the server wants an API key: put it in an environment variable and name that variable in "
                         "--regenerate.server_api_key_env)" if e.code == 401 else "")
                 raise EyasError(f"regenerate: {self.shown} refused conversation {conv_id}: {last}{hint}") from None
-            except (TimeoutError, socket.timeout) as e:
+            except TimeoutError as e:  # socket.timeout too
                 self.stalls += 1
                 last = (exception_message(e) if "timeout_s" in str(e) else
                         f"no data for {self.rc.stall_s:g} s: the server stalled (regenerate.stall_s)")
