@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eyas.errors import ArtifactError, EyasError
+from eyas.errors import ArtifactError, DamagedArtifact, EyasError
 
 SCHEMA_VERSION = 1
 
@@ -98,6 +98,46 @@ def read_meta(out_dir: str | Path, stage: str) -> dict[str, Any]:
             f"{path} has schema version {meta.get('schema_version')}, this eyas reads {SCHEMA_VERSION}: re-run `eyas {stage}`"
         )
     return meta
+
+
+def sha256_of(path: str | Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_record(out_dir: str | Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """{name: {sha256, bytes}} of files in `out_dir`, for meta.json (`check_files` verifies them)."""
+    out_dir = Path(out_dir)
+    return {n: {"sha256": sha256_of(out_dir / n), "bytes": (out_dir / n).stat().st_size} for n in names}
+
+
+def check_files(out_dir: str | Path, stage: str, files: dict[str, dict[str, Any]]) -> None:
+    """DamagedArtifact naming the first file of `files` (meta.json's record) that is missing, of
+    another size or another sha256."""
+    for name, want in files.items():
+        path = Path(out_dir) / name
+        why = ("is missing" if not path.is_file() else
+               f"has {path.stat().st_size:,} bytes, not the {want['bytes']:,} {stage} wrote"
+               if path.stat().st_size != want["bytes"] else
+               "is damaged: its sha256 differs from the one in meta.json" if sha256_of(path) != want["sha256"] else "")
+        if why:
+            raise DamagedArtifact(f"{path} {why}; run {stage} again (the same `eyas run` does it by itself, and keeps "
+                                  "the stages after it when the file comes out as it was)", path, stage)
+
+
+def read_safetensors(path: str | Path, stage: str, hint: str = "") -> dict[str, Any]:
+    """safetensors.torch.load_file, a file that is not whole or not safetensors named as such."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise DamagedArtifact(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}): it is truncated or "
+                              f"damaged; {hint or f'run {stage} again'}", path, stage) from e
 
 
 LOCK_FILE = ".eyas.lock"

@@ -78,11 +78,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from eyas.artifacts import atomic_write_json
+from eyas.artifacts import atomic_write_json, read_safetensors
 from eyas.draft import DraftConfig, Eagle3Draft
-from eyas.errors import ArtifactError, ConfigError
+from eyas.errors import ArtifactError, ConfigError, DamagedArtifact
 
 DRAFT_WEIGHTS = "draft.safetensors"
 """A checkpoint's weights (eyas.draft names)."""
@@ -132,7 +132,9 @@ def load_draft(draft_dir: str | Path, embed_weight_VD: torch.Tensor | None = Non
     if not (d / DRAFT_CONFIG).is_file() or not (d / DRAFT_WEIGHTS).is_file():
         raise ArtifactError(f"{d} is not an eyas draft checkpoint (needs {DRAFT_CONFIG} and {DRAFT_WEIGHTS})")
     model = Eagle3Draft(DraftConfig(**json.loads((d / DRAFT_CONFIG).read_text())), embed_weight_VD)
-    load_state(model, load_file(str(d / DRAFT_WEIGHTS)), d / DRAFT_WEIGHTS)
+    weights = read_safetensors(d / DRAFT_WEIGHTS, "train", "train again (--train.resume=auto continues from its last "
+                               "checkpoint), or use another checkpoint or draft")
+    load_state(model, weights, d / DRAFT_WEIGHTS)
     return model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
 
 
@@ -452,7 +454,7 @@ def load_exported(directory: str | Path, embed_weight_VD: torch.Tensor | None = 
     config = json.loads((d / CONFIG).read_text())
     cfg = exported_draft_config(config)
     inverse = {v: k for k, v in key_table(detect_layout(config), cfg.num_layers).items()}
-    tensors = load_file(str(d / WEIGHTS))
+    tensors = read_safetensors(d / WEIGHTS, "export", "run `eyas export` again, or use another draft")
     unknown = sorted(set(tensors) - set(inverse))
     if unknown:
         raise ArtifactError(f"{d / WEIGHTS}: tensors outside the key table: {unknown}")
@@ -509,11 +511,16 @@ def read_config(files: DraftFiles) -> DraftConfig:
 def read_vocab(files: DraftFiles) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t, t2d) of a located draft without building it (its embedding would be the target's V x D).
     An export whose draft vocabulary is the whole vocabulary holds none: the identity then."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(files.weights), "pt") as f:
-        if "d2t" in f.keys():
-            return f.get_tensor("d2t"), f.get_tensor("t2d")
+    try:
+        with safe_open(str(files.weights), "pt") as f:
+            if "d2t" in f.keys():
+                return f.get_tensor("d2t"), f.get_tensor("t2d")
+    except SafetensorError as e:
+        stage = "train" if files.kind == "checkpoint" else "export"
+        raise DamagedArtifact(f"{files.weights} is not a readable safetensors file (SafetensorError: {e}): it is "
+                              f"truncated or damaged; run {stage} again, or use another draft", files.weights, stage) from e
     return whole_vocab(read_config(files))
 
 

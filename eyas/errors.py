@@ -33,6 +33,15 @@ class ArtifactError(EyasError):
     """A stage output is missing, corrupt or does not match what the consumer expects."""
 
 
+class DamagedArtifact(ArtifactError):
+    """A stage's output file that fails its own check (checksum, size, format): `path` and the `stage`
+    that wrote it, so `eyas run` can make that stage again."""
+
+    def __init__(self, message: str, path, stage: str):
+        super().__init__(message)
+        self.path, self.stage = path, stage
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (a scheduler's stop, a preemption, torchrun stopping its workers) raised as an
     interrupt, so that it unwinds as Ctrl-C does: the stage is marked interrupted in summary.json,

@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 
 from eyas.artifacts import read_meta
-from eyas.errors import ArtifactError
+from eyas.errors import ArtifactError, DamagedArtifact
 
 
 def _sha256(path: Path, chunk: int = 1 << 24) -> str:
@@ -98,12 +98,13 @@ class HiddenStates:
     def _check(self, s: int) -> None:
         path = self.dir / self.shards[s]
         if not path.is_file():
-            raise ArtifactError(f"shard {path} is missing: re-run the same `eyas extract` command to re-extract it")
+            raise DamagedArtifact(f"shard {path} is missing: run the same `eyas run` (or `eyas extract`) command "
+                                  "again; only its samples are extracted again", path, "extract")
         if _sha256(path) != self.meta["shards"][self.shards[s]]["sha256"]:
-            raise ArtifactError(
-                f"shard {path} is corrupt (sha256 differs from meta.json): delete it and re-run the same "
-                "`eyas extract` command; only its samples are extracted again"
-            )
+            raise DamagedArtifact(
+                f"shard {path} is corrupt (sha256 differs from meta.json): delete it and run the same `eyas run` (or "
+                "`eyas extract`) command again; only its samples are extracted again (`eyas run` in one process "
+                "does this by itself)", path, "extract")
 
     def verify(self, shards: Iterable[int] | None = None, threads: int = 0) -> int:
         """Check the sha256 of every shard (or of `shards`) now, `threads` at a time (0 = up to 8;

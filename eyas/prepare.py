@@ -521,9 +521,14 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         target=describe_target(cfg.target),
         hashes={"tokenizer": tokenizer_hash(tok), "data": data_hash(pc.data)},
         counts=summary,
+        files=artifacts.file_record(out, list(OUTPUT_FILES)),
     )
     print_summary(out, summary)
     return summary
+
+
+OUTPUT_FILES = ("tokens.safetensors", "vocab.safetensors", "sample_ids.json")
+"""What prepare writes that later stages read; meta.json records their sha256 (eyas.prepared checks it)."""
 
 
 def data_hash(path: str) -> str:

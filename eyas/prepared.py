@@ -14,20 +14,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
-from eyas.artifacts import read_meta
+from eyas.artifacts import check_files, read_meta, read_safetensors
 
 
 class Prepared:
     def __init__(self, out_dir: str | Path):
         self.dir = Path(out_dir)
         self.meta = read_meta(self.dir, "prepare")
-        tokens = load_file(str(self.dir / "tokens.safetensors"))
+        check_files(self.dir, "prepare", self.meta.get("files") or {})  # an output of an earlier eyas has no record
+        tokens = read_safetensors(self.dir / "tokens.safetensors", "prepare")
         self._ids = tokens["input_ids"]
         self._mask = tokens["loss_mask"]
         self.offsets = tokens["offsets"]
-        v = load_file(str(self.dir / "vocab.safetensors"))
+        v = read_safetensors(self.dir / "vocab.safetensors", "prepare")
         self.d2t: torch.Tensor = v["d2t"]
         self.t2d: torch.Tensor = v["t2d"]
         self.token_counts: torch.Tensor = v["token_counts"]

@@ -44,7 +44,7 @@ from typing import Any
 
 from eyas import artifacts
 from eyas.config import RESUMABLE, STAGES, EyasConfig, to_dict
-from eyas.errors import ArtifactError, ConfigError, EyasError, describe_exception
+from eyas.errors import ArtifactError, ConfigError, DamagedArtifact, EyasError, describe_exception
 
 # The config sections whose values define each stage's output (besides the stage before it).
 SECTIONS = {
@@ -190,6 +190,38 @@ def stage_state(stage_dir: Path, stage: str, key: str, upstream: str) -> tuple[s
     if meta.get("upstream") != upstream:
         return "inputs", meta
     return ("partial" if is_partial(meta) else "done"), meta
+
+
+def output_damage(stage: str, out: Path, meta: dict[str, Any]) -> tuple[str, list[Path]]:
+    """What a finished stage's output has lost, in words, and the files to delete before it is made
+    again ("" when whole). Cheap checks only: prepare's files against their sha256 in meta.json;
+    extract's shards present with their recorded sizes (a shard of the right size whose bytes
+    changed is caught by train's sha256 check, `_heal_from`)."""
+    if stage == "prepare" and meta.get("files"):
+        try:
+            artifacts.check_files(out, "prepare", meta["files"])
+        except DamagedArtifact as e:
+            return str(e).split(";")[0], [Path(e.path)]
+    if stage == "extract":
+        bad = []
+        for name, rec in (meta.get("shards") or {}).items():
+            path = out / name  # an absolute (spilled) name stays itself
+            size = path.stat().st_size if path.is_file() else None
+            if size != rec["bytes"]:
+                bad.append((path, "missing" if size is None else f"{size:,} of {rec['bytes']:,} bytes"))
+        if bad:
+            shown = ", ".join(f"{p.name} ({why})" for p, why in bad[:5]) + (" ..." if len(bad) > 5 else "")
+            return f"{len(bad)} of its {len(meta['shards'])} shards are damaged: {shown}", [p for p, _ in bad]
+    return "", []
+
+
+def same_output(stage: str, old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether a stage made again wrote what it had written before (so what follows it stands)."""
+    if stage == "prepare":
+        return bool(old.get("files")) and old.get("files") == new.get("files")
+    if stage == "extract":
+        return bool(old.get("shards")) and old.get("shards") == new.get("shards")
+    return False
 
 
 def is_partial(meta: dict[str, Any]) -> bool:
@@ -457,13 +489,34 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
     upstream = source_fingerprint(configs[stages[0]].prepare.data)
     current: list[Any] = [stages[0], time.perf_counter(), time.time()]  # the stage in hand, for an interruption
     try:
-        return _stages(cfg, run_dir, runner, configs, stages, keys, upstream, record, current)
+        try:
+            return _stages(cfg, run_dir, runner, configs, stages, keys, upstream, record, current)
+        except DamagedArtifact as e:  # a later stage found an earlier one's file damaged: make that again, once
+            if not _heal_from(e, stages, current[0], runner):
+                raise
+            record["stages"].clear()
+            record.pop("failed_stage", None)
+            return _stages(cfg, run_dir, runner, configs, stages, keys, upstream, record, current)
     except BaseException as e:  # Ctrl-C or SIGTERM between a stage's own steps (its meta, the plots): said too
         if not getattr(e, RECORDED, False):
             stage = current[0]
             _record_failure(cfg, run_dir, record, stage, cfg.stage_dir(stage), e, time.perf_counter() - current[1],
                             current[2])
         raise
+
+
+def _heal_from(e: DamagedArtifact, stages: list[str], failed: str, runner) -> bool:
+    """Whether `eyas run` goes round its stages once more after `failed` found a file of an earlier
+    stage damaged (train: an extract shard whose sha256 changed): the file is deleted, and that stage
+    makes it again (extract: only that shard's samples). In one process only: under torchrun the
+    ranks have stopped with the error, and the same command heals it (a missing shard is found
+    before train runs)."""
+    if runner is not run_stage or e.stage not in stages or stages.index(e.stage) >= stages.index(failed):
+        return False
+    Path(e.path).unlink(missing_ok=True)
+    print(f"[eyas:run] {failed} found {e.path} damaged: deleted; {e.stage} makes it again, then the run goes on",
+          flush=True)
+    return True
 
 
 def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfig], stages: list[str],
@@ -476,6 +529,14 @@ def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfi
         current[:] = [s, time.perf_counter(), time.time()]
         out = cfg.stage_dir(s)
         state, meta = ("stale", {}) if changed else stage_state(out, s, keys[s], upstream)
+        damage, damaged = output_damage(s, out, meta) if state in ("done", "partial") else ("", [])
+        repair = None  # (meta.json and index.json as they were) while a damaged output is made again
+        if damage:
+            print(f"[eyas:run] {s}: {damage}: making {'those' if s == 'extract' else 'it'} again", flush=True)
+            repair = {f: (out / f).read_bytes() for f in ("meta.json", "index.json") if (out / f).is_file()}
+            for f in damaged:
+                f.unlink(missing_ok=True)
+            state = "damaged"
         if state == "partial" and s in RESUMABLE and s not in cfg.accept_partial_stages():
             print(f"[eyas:run] {s}: partial ({partial_progress(s, meta)}, stopped at its time budget): continuing; "
                   f"--accept_partial={s} uses it as it is", flush=True)
@@ -497,7 +558,8 @@ def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfi
         if s == "extract":
             _check_train_start(cfg, configs, stages, run_dir, record)
         edited = s == stages[0] and state == "inputs"  # the data file, not an earlier stage
-        resuming = claim_stage_dir(s, out, keys[s], fresh=changed or state == "inputs", why_fresh=(
+        resuming = claim_stage_dir(s, out, keys[s], fresh=changed or state == "inputs" or (repair is not None and s != "extract"),
+                                   why_fresh="its output is damaged" if repair is not None else (
             f"its inputs changed: {configs[s].prepare.data} is not the file it was made from" if edited
             else INPUTS_CHANGED))
         changed = True
@@ -531,6 +593,13 @@ def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfi
             e = EyasError(f"{s} exited with status {rc} (its reasons are printed above); the stages after it do not run")
             _record_failure(cfg, run_dir, record, s, out, e, wall, started)
             raise e
+        if repair and same_output(s, json.loads(repair["meta.json"]), meta):  # the stages after it stand
+            for name, data in repair.items():
+                artifacts.atomic_write_bytes(out / name, data)
+            meta = json.loads(repair["meta.json"])
+            changed = False
+            print(f"[eyas:run] {s}: made again bit for bit as it was (every {'shard' if s == 'extract' else 'file'}'s "
+                  "sha256 as recorded): the stages after it keep their outputs", flush=True)
         upstream = artifacts.hash_json(meta)
         record["stages"][s] = {"status": "ran", "dir": str(out), "wall_s": round(wall, 2), **_throughput(s, meta),
                                "partial": is_partial(meta)}

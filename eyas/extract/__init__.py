@@ -293,7 +293,7 @@ def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: 
     copier = HostCopier(max(b.num_tokens for b in batches), len(setup.layer_ids) + 1, setup.hidden,
                         setup.store_dtype, ec.writer_queue, check=lambda: writer.check())
     placer = store.ShardPlacer(setup.out, setup.spill, setup.min_free, check=bool(setup.spill or setup.min_free))
-    writer = Writer(setup.out, rank, max(numbers, default=-1) + 1, shards, setup.prepared,
+    writer = Writer(setup.out, rank, free_numbers(numbers, len(shards)), shards, setup.prepared,
                     len(setup.layer_ids) + 1, setup.hidden, setup.store_dtype, copier, failures, placer=placer)
     if backend.device.type == "cuda":
         copier.start()  # pins the host buffers while the smoke test and the first batch run
@@ -448,6 +448,15 @@ def print_summary(out: Path, meta: dict[str, Any]) -> None:
     if c["failed"]:
         lines.append(f"  FAILED         {', '.join(c['failed'][:20])}{' ...' if len(c['failed']) > 20 else ''} (see errors.jsonl)")
     print("\n".join(lines), flush=True)
+
+
+def free_numbers(taken: list[int], n: int) -> list[int]:
+    """`n` shard numbers for this run: first those below the highest taken that are free (shards that
+    were deleted, lost or damaged: re-extracting their samples, planned the same way, rewrites them
+    under their own names), then the ones after it."""
+    top = max(taken, default=-1)
+    gaps = sorted(set(range(top + 1)) - set(taken))
+    return (gaps + list(range(top + 1, top + 1 + n)))[:n]
 
 
 def prepare_resume(setup: Setup, rank: int, world_size: int) -> None:

@@ -143,10 +143,11 @@ class Writer:
     """Writes the planned shards of one rank, shard s on worker s % threads; the main thread submits
     the batches in plan order."""
 
-    def __init__(self, out: Path, rank: int, first_number: int, shards: list[list[Batch]], prepared,
+    def __init__(self, out: Path, rank: int, numbers: list[int], shards: list[list[Batch]], prepared,
                  num_layers: int, hidden: int, dtype: torch.dtype, copier: HostCopier, failures: Failures,
                  threads: int = WRITER_THREADS, placer: store.ShardPlacer | None = None):
-        self.out, self.rank, self.first_number, self.shards = out, rank, first_number, shards
+        assert len(numbers) >= len(shards), (numbers, len(shards))
+        self.out, self.rank, self.numbers, self.shards = out, rank, numbers, shards  # shard s is r{rank}-{numbers[s]}
         self.placer = placer or store.ShardPlacer(out, [], 0, check=False)
         self.row_bytes = num_layers * hidden * torch.empty((), dtype=dtype).element_size()
         self.prepared, self.num_layers, self.hidden, self.dtype = prepared, num_layers, hidden, dtype
@@ -215,7 +216,7 @@ class Writer:
                 samples = [self.prepared[i] for i in indices]
                 ids = torch.cat([x["input_ids"] for x in samples])
                 current = self.placer.open_shard(
-                    self.rank, self.first_number + s, ids.numel(), self.row_bytes,
+                    self.rank, self.numbers[s], ids.numel(), self.row_bytes,
                     lambda name: store.ShardWriter(self.out, name, self.num_layers, self.hidden, self.dtype,
                                                    ids, torch.cat([x["loss_mask"] for x in samples])))
                 name = current.name

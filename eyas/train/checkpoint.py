@@ -172,13 +172,14 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 def load(path: Path, model: nn.Module, optimizer, scheduler) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG from `path` (every rank); -> trainer state."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     try:
         state = read_trainer_state(path)
         msd = load_file(str(path / "draft.safetensors"))
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, SafetensorError) as e:
         raise ArtifactError(f"checkpoint {path} is unreadable ({e}); remove it to resume from the previous one") from e
     missing = [k for k in TRAINER_FIELDS if k not in state]
     if missing:
