@@ -111,6 +111,23 @@ def _locked_dir(command: str, cfg) -> Path | None:
     return None
 
 
+def _disk_hint(e: BaseException) -> str:
+    """For a failure caused by a full disk or a file-size limit (ENOSPC, EDQUOT, EFBIG anywhere in
+    its cause chain): what happened and what to do, as a last line."""
+    import errno
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            where = f" writing {e.filename}" if e.filename else ""
+            return (f"\neyas: out of disk space or over a file-size limit{where} ({e.strerror}): free space there (or "
+                    "point --run_dir / the stage's out_dir at a larger disk) and run the same command again; it "
+                    "continues from what was written whole")
+        e = e.__cause__ or e.__context__
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -147,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             result = importlib.import_module(f"eyas.{command}").main(cfg)
         return int(result) if isinstance(result, int) else 0
     except EyasError as e:
-        print(f"eyas {command}: error: {exception_message(e)}", file=sys.stderr)
+        print(f"eyas {command}: error: {exception_message(e)}{_disk_hint(e)}", file=sys.stderr)
         return 2
     except Terminated:
         print(f"eyas {command}: terminated (SIGTERM)", file=sys.stderr)
@@ -157,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BaseException as e:  # anything unexpected: type, message and the full traceback, exit 1
         d = describe_exception(e)
-        print(f"eyas {command}: {d['type']}: {d['message']}\n{d['traceback']}", file=sys.stderr)
+        print(f"eyas {command}: {d['type']}: {d['message']}\n{d['traceback']}{_disk_hint(e)}", file=sys.stderr)
         return 1
 
 

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from eyas.artifacts import read_meta, write_meta
+from eyas.artifacts import file_record, read_meta, write_meta
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.draft_files import DRAFT_CONFIG, export_draft, find, load_draft, locate, open_draft, sglang_aux_ids, vllm_aux_ids
 from eyas.errors import ArtifactError
@@ -213,6 +213,8 @@ def main(cfg) -> int:
         aux_layer_ids={"eyas_hf_index": c.aux_layer_ids, "vllm": vllm_aux_ids(c.aux_layer_ids),
                        "sglang": sglang_aux_ids(c.aux_layer_ids)},
         checks=notes,
+        files=file_record(out, sorted(str(f.relative_to(out)) for p in written.values() for f in Path(p).rglob("*")
+                                      if f.is_file())),
     )
     for fmt, p in written.items():
         print(f"[eyas:export] {fmt:12s} -> {p}")

@@ -41,6 +41,17 @@ def _sha256(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
+VERIFIED = "EYAS_EXTRACT_VERIFIED"
+"""Set by `eyas run` once it has checked every shard's sha256 of an extract output (`verified_mark`),
+so train in the same process does not hash them all again."""
+
+
+def verified_mark(out_dir: Path, meta: dict[str, Any]) -> str:
+    from eyas.artifacts import hash_json
+
+    return f"{Path(out_dir).resolve()}@{hash_json(meta)}"
+
+
 class HiddenStates:
     def __init__(self, out_dir: str | Path, verify_checksums: bool = True):
         self.dir = Path(out_dir)
@@ -59,6 +70,8 @@ class HiddenStates:
         self.hidden_size: int = self.meta["hidden_size"]
         self.verify_checksums = verify_checksums
         self._verified: set[int] = set()
+        if os.environ.get(VERIFIED) == verified_mark(self.dir, self.meta):  # `eyas run` hashed every shard just now
+            self._verified = set(range(len(self.shards)))
         self._open: dict[int, Any] = {}
         self._pid = os.getpid()
 
@@ -102,9 +115,9 @@ class HiddenStates:
                                   "again; only its samples are extracted again", path, "extract")
         if _sha256(path) != self.meta["shards"][self.shards[s]]["sha256"]:
             raise DamagedArtifact(
-                f"shard {path} is corrupt (sha256 differs from meta.json): delete it and run the same `eyas run` (or "
-                "`eyas extract`) command again; only its samples are extracted again (`eyas run` in one process "
-                "does this by itself)", path, "extract")
+                f"shard {path} is corrupt (sha256 differs from meta.json): run the same `eyas run` command again (it "
+                "checks every shard and extracts the damaged ones' samples again), or delete it and run `eyas "
+                "extract`", path, "extract")
 
     def verify(self, shards: Iterable[int] | None = None, threads: int = 0) -> int:
         """Check the sha256 of every shard (or of `shards`) now, `threads` at a time (0 = up to 8;

@@ -192,36 +192,57 @@ def stage_state(stage_dir: Path, stage: str, key: str, upstream: str) -> tuple[s
     return ("partial" if is_partial(meta) else "done"), meta
 
 
+RESUMED_REPAIR = ("extract", "train")
+"""Stages whose damaged output is made again by resuming (extract: the missing shards' samples;
+train: its final draft from the last checkpoint); the others start afresh."""
+
+
 def output_damage(stage: str, out: Path, meta: dict[str, Any]) -> tuple[str, list[Path]]:
     """What a finished stage's output has lost, in words, and the files to delete before it is made
-    again ("" when whole). Cheap checks only: prepare's files against their sha256 in meta.json;
-    extract's shards present with their recorded sizes (a shard of the right size whose bytes
-    changed is caught by train's sha256 check, `_heal_from`)."""
-    if stage == "prepare" and meta.get("files"):
+    again ("" when whole): the files its meta.json records with their sha256 (prepare's outputs,
+    regenerate's conversations, extract's index, train's final draft, the exports, evaluate's
+    results), and extract's shards with their recorded sizes and sha256."""
+    bad: list[tuple[Path, str]] = []
+    for name, rec in (meta.get("files") or {}).items():
         try:
-            artifacts.check_files(out, "prepare", meta["files"])
+            artifacts.check_files(out, stage, {name: rec})
         except DamagedArtifact as e:
-            return str(e).split(";")[0], [Path(e.path)]
+            bad.append((Path(e.path), str(e).split(";")[0].removeprefix(str(e.path)).strip()))
     if stage == "extract":
-        bad = []
-        for name, rec in (meta.get("shards") or {}).items():
-            path = out / name  # an absolute (spilled) name stays itself
-            size = path.stat().st_size if path.is_file() else None
-            if size != rec["bytes"]:
-                bad.append((path, "missing" if size is None else f"{size:,} of {rec['bytes']:,} bytes"))
-        if bad:
-            shown = ", ".join(f"{p.name} ({why})" for p, why in bad[:5]) + (" ..." if len(bad) > 5 else "")
-            return f"{len(bad)} of its {len(meta['shards'])} shards are damaged: {shown}", [p for p, _ in bad]
-    return "", []
+        bad += _damaged_shards(out, meta)
+    if not bad:
+        return "", []
+    shown = ", ".join(f"{p.relative_to(out) if p.is_relative_to(out) else p} ({why})" for p, why in bad[:5])
+    return f"{len(bad)} damaged file(s): {shown}" + (" ..." if len(bad) > 5 else ""), [p for p, _ in bad]
+
+
+def _damaged_shards(out: Path, meta: dict[str, Any]) -> list[tuple[Path, str]]:
+    """Extract's shards that are missing, of another size or another sha256 (hashed in threads; for
+    a few TB, minutes of the run's hours). When all are whole, train in this process skips its own
+    check of them (hidden_states.VERIFIED)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from eyas.hidden_states import VERIFIED, verified_mark
+
+    def check(item) -> tuple[Path, str] | None:
+        name, rec = item
+        path = out / name  # an absolute (spilled) name stays itself
+        size = path.stat().st_size if path.is_file() else None
+        if size != rec["bytes"]:
+            return path, "missing" if size is None else f"{size:,} of {rec['bytes']:,} bytes"
+        return (path, "its sha256 differs from meta.json") if artifacts.sha256_of(path) != rec["sha256"] else None
+
+    shards = list((meta.get("shards") or {}).items())
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        bad = [b for b in pool.map(check, shards) if b]
+    if not bad and shards:
+        os.environ[VERIFIED] = verified_mark(out, meta)
+    return bad
 
 
 def same_output(stage: str, old: dict[str, Any], new: dict[str, Any]) -> bool:
     """Whether a stage made again wrote what it had written before (so what follows it stands)."""
-    if stage == "prepare":
-        return bool(old.get("files")) and old.get("files") == new.get("files")
-    if stage == "extract":
-        return bool(old.get("shards")) and old.get("shards") == new.get("shards")
-    return False
+    return bool(old.get("files")) and old.get("files") == new.get("files") and old.get("shards") == new.get("shards")
 
 
 def is_partial(meta: dict[str, Any]) -> bool:
@@ -489,34 +510,13 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
     upstream = source_fingerprint(configs[stages[0]].prepare.data)
     current: list[Any] = [stages[0], time.perf_counter(), time.time()]  # the stage in hand, for an interruption
     try:
-        try:
-            return _stages(cfg, run_dir, runner, configs, stages, keys, upstream, record, current)
-        except DamagedArtifact as e:  # a later stage found an earlier one's file damaged: make that again, once
-            if not _heal_from(e, stages, current[0], runner):
-                raise
-            record["stages"].clear()
-            record.pop("failed_stage", None)
-            return _stages(cfg, run_dir, runner, configs, stages, keys, upstream, record, current)
+        return _stages(cfg, run_dir, runner, configs, stages, keys, upstream, record, current)
     except BaseException as e:  # Ctrl-C or SIGTERM between a stage's own steps (its meta, the plots): said too
         if not getattr(e, RECORDED, False):
             stage = current[0]
             _record_failure(cfg, run_dir, record, stage, cfg.stage_dir(stage), e, time.perf_counter() - current[1],
                             current[2])
         raise
-
-
-def _heal_from(e: DamagedArtifact, stages: list[str], failed: str, runner) -> bool:
-    """Whether `eyas run` goes round its stages once more after `failed` found a file of an earlier
-    stage damaged (train: an extract shard whose sha256 changed): the file is deleted, and that stage
-    makes it again (extract: only that shard's samples). In one process only: under torchrun the
-    ranks have stopped with the error, and the same command heals it (a missing shard is found
-    before train runs)."""
-    if runner is not run_stage or e.stage not in stages or stages.index(e.stage) >= stages.index(failed):
-        return False
-    Path(e.path).unlink(missing_ok=True)
-    print(f"[eyas:run] {failed} found {e.path} damaged: deleted; {e.stage} makes it again, then the run goes on",
-          flush=True)
-    return True
 
 
 def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfig], stages: list[str],
@@ -532,10 +532,12 @@ def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfi
         damage, damaged = output_damage(s, out, meta) if state in ("done", "partial") else ("", [])
         repair = None  # (meta.json and index.json as they were) while a damaged output is made again
         if damage:
-            print(f"[eyas:run] {s}: {damage}: making {'those' if s == 'extract' else 'it'} again", flush=True)
-            repair = {f: (out / f).read_bytes() for f in ("meta.json", "index.json") if (out / f).is_file()}
+            print(f"[eyas:run] {s}: {damage}: making {'those' if s in RESUMED_REPAIR else 'it'} again", flush=True)
+            repair = {"meta.json": (out / "meta.json").read_bytes()}
             for f in damaged:
                 f.unlink(missing_ok=True)
+            if s in RESUMED_REPAIR:  # resumed, it completes again (extract: the missing shards, then its index)
+                (out / "meta.json").unlink()
             state = "damaged"
         if state == "partial" and s in RESUMABLE and s not in cfg.accept_partial_stages():
             print(f"[eyas:run] {s}: partial ({partial_progress(s, meta)}, stopped at its time budget): continuing; "
@@ -558,7 +560,7 @@ def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfi
         if s == "extract":
             _check_train_start(cfg, configs, stages, run_dir, record)
         edited = s == stages[0] and state == "inputs"  # the data file, not an earlier stage
-        resuming = claim_stage_dir(s, out, keys[s], fresh=changed or state == "inputs" or (repair is not None and s != "extract"),
+        resuming = claim_stage_dir(s, out, keys[s], fresh=changed or state == "inputs" or (repair is not None and s not in RESUMED_REPAIR),
                                    why_fresh="its output is damaged" if repair is not None else (
             f"its inputs changed: {configs[s].prepare.data} is not the file it was made from" if edited
             else INPUTS_CHANGED))

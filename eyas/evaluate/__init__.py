@@ -55,7 +55,8 @@ from eyas.config import EyasConfig, dump_config, to_dict
 from eyas.errors import EyasError, describe_exception, exception_message
 from eyas.evaluate.decoding import Setup, decode_questions, decoder, load_setup, warm_up
 from eyas.draft_files import DraftFiles
-from eyas.evaluate.inputs import bench_hash, load_bench, outputs_key, read_target_outputs, replay, write_target_outputs
+from eyas.evaluate.inputs import (TARGET_OUTPUTS, bench_hash, load_bench, outputs_key, read_target_outputs, replay,
+                                  write_target_outputs)
 from eyas.evaluate.lossless import check_lossless, score_divergence, tie_tolerance
 from eyas.evaluate.report import collect_results, format_table
 from eyas.evaluate.teacher_forced import teacher_forced_chain
@@ -190,6 +191,7 @@ def write(cfg: EyasConfig, out_dir: Path, results: dict[str, Any], files: DraftF
     artifacts.write_meta(
         out_dir,
         "evaluate",
+        files=artifacts.file_record(out_dir, [f for f in ("results.json", TARGET_OUTPUTS) if (out_dir / f).is_file()]),
         config={"target": to_dict(cfg.target), "evaluate": to_dict(cfg.evaluate)},
         target=describe_target(cfg.target),
         draft=str(files.dir),

@@ -410,6 +410,7 @@ def finalize(cfg: EyasConfig, setup: Setup, summaries: list[dict[str, Any]]) -> 
         extra["versions"] = {**artifacts.library_versions(), "vllm": vllm_backend.vllm_version()}
     meta = artifacts.write_meta(
         out, "extract",
+        files=artifacts.file_record(out, ["index.json"]),
         config={"target": to_dict(cfg.target), "extract": to_dict(cfg.extract)},
         target=describe_target(cfg.target),
         dtype=setup.fingerprint["store_dtype"],

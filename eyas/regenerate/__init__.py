@@ -219,6 +219,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         target=describe_target(cfg.target),
         counts=summary,
         output=OUTPUT,
+        files=artifacts.file_record(out, [OUTPUT]),
     )
     print(
         f"[eyas:regenerate] wrote {path}: {total} conversations ({len(todo) - skipped} now, {len(done)} resumed"

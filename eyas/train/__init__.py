@@ -48,7 +48,7 @@ def run(cfg: EyasConfig, data=None) -> dict[str, Any]:
 def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str, Any]:
     import torch
 
-    from eyas.artifacts import atomic_write_text, write_meta
+    from eyas.artifacts import atomic_write_text, file_record, write_meta
     from eyas.config import dump_config, to_dict
     from eyas.distributed import barrier
     from eyas.errors import ConfigError
@@ -118,7 +118,8 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
             device=str(device), torch_cuda=torch.version.cuda,
         )
         write_meta(final, "train", **meta)
-        return write_meta(out, "train", **meta)
+        return write_meta(out, "train", **meta, files=file_record(out, [f"final/{f.name}" for f in sorted(final.iterdir())
+                                                                        if f.name != "meta.json"]))
     except Exception as e:  # recorded (type, message, traceback; the step and samples) in errors.jsonl, re-raised
         record_failure(out, e, rank, **getattr(e, "eyas_context", {}))
         raise

@@ -3,6 +3,7 @@
     draft.safetensors, draft_config.json   the draft (eyas.draft_files checkpoint form)
     trainer.pt                             optimizer, scheduler, step, epoch, data position,
                                            RNG states (python, numpy, torch, cuda), world size
+    checksums.json                         each file's sha256, checked before a resume reads any
 
 trainer.pt is read with `torch.load(weights_only=True)`: tensors, numbers, strings and containers,
 plus the numpy array of the numpy RNG state (`SAFE_GLOBALS`), never a callable, so a checkpoint
@@ -17,6 +18,7 @@ module, DDP and FSDP2; rank 0 writes.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -31,8 +33,8 @@ from torch import nn
 
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.draft_files import save_draft
-from eyas.errors import ArtifactError, ConfigError
-from eyas.artifacts import fsync_dir
+from eyas.artifacts import atomic_write_json, fsync_dir, sha256_of
+from eyas.errors import ArtifactError, ConfigError, DamagedArtifact
 
 STEP_RE = re.compile(r"^step_(\d{7,})$")
 TRAINER_STATE = "trainer.pt"
@@ -120,6 +122,7 @@ def save(
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    atomic_write_json(tmp / CHECKSUMS, {f.name: sha256_of(f) for f in sorted(tmp.iterdir())})
     if final.exists():  # a re-run of the same step after resume
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -128,6 +131,24 @@ def save(
         for old in checkpoints(ckpt_root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+CHECKSUMS = "checksums.json"
+"""Each checkpoint file's sha256, written last inside the checkpoint; `load` checks them first."""
+
+
+def check_checkpoint(path: Path) -> None:
+    """DamagedArtifact naming the first file of checkpoint `path` whose sha256 is not the one its
+    checksums.json records (checkpoints of an earlier eyas have none: not checked)."""
+    sums = path / CHECKSUMS
+    if not sums.is_file():
+        return
+    for name, want in json.loads(sums.read_text()).items():
+        f = path / name
+        if not f.is_file() or sha256_of(f) != want:
+            raise DamagedArtifact(f"checkpoint {path}: {name} is {'missing' if not f.is_file() else 'damaged'} "
+                                  f"(sha256 differs from {CHECKSUMS}); remove {path} to resume from the checkpoint "
+                                  "before it", f, "train")
 
 
 def checkpoints(ckpt_root: Path) -> list[Path]:
@@ -176,6 +197,7 @@ def load(path: Path, model: nn.Module, optimizer, scheduler) -> dict[str, Any]:
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
+    check_checkpoint(path)
     try:
         state = read_trainer_state(path)
         msd = load_file(str(path / "draft.safetensors"))

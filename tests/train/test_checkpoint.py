@@ -44,9 +44,27 @@ def test_a_checkpoint_without_the_trainer_fields_is_refused_naming_init_from(tmp
     state = checkpoint.read_trainer_state(ckpt)
     del state["all_runs"]
     torch.save(state, ckpt / checkpoint.TRAINER_STATE)
+    (ckpt / checkpoint.CHECKSUMS).unlink()  # an earlier eyas wrote none
     again = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=3",
                      f"--train.resume={ckpt}", f"--train.out_dir={tmp_path / 'again'}")
     with pytest.raises(ArtifactError, match=r"lacks \['all_runs'\].*--train.init_from=.*step_0000002"):
+        run(again)
+
+
+def test_a_checkpoint_whose_file_changed_is_refused_naming_it(tmp_path, smol_prep, tiny_target):
+    from eyas.errors import DamagedArtifact
+    from eyas.train import checkpoint
+
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=2", "--train.save_every=1")
+    run(cfg)
+    ckpt = cfg.stage_dir("train") / "checkpoints" / "step_0000002"
+    weights = bytearray((ckpt / "draft.safetensors").read_bytes())
+    weights[-3] ^= 0x10  # a weight's byte: the file still parses, the draft would resume wrong
+    (ckpt / "draft.safetensors").write_bytes(bytes(weights))
+    again = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=3",
+                     f"--train.resume={ckpt}", f"--train.out_dir={tmp_path / 'again'}")
+    with pytest.raises(DamagedArtifact, match=r"step_0000002: draft.safetensors is damaged \(sha256 differs from "
+                                              r"checksums.json\); remove .* to resume from the checkpoint before it"):
         run(again)
 
 

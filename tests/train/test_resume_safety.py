@@ -49,6 +49,7 @@ def test_a_trainer_pt_whose_pickle_runs_code_is_refused_without_running_it(tmp_p
     marker = tmp_path / "pwned"
     state["note"] = WritesAFile(marker)  # every field resume needs is still there
     torch.save(state, trainer_pt)
+    (ckpt / checkpoint.CHECKSUMS).unlink()  # from elsewhere: no checksums to catch the change (or matching ones)
 
     again = resume_cfg(tmp_path, smol_prep, tiny_target, ckpt, tmp_path / "again")
     with pytest.raises(ArtifactError, match=re.escape(str(trainer_pt)) + r".*--train.init_from=") as err:
