@@ -62,6 +62,23 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
+def atomic_save_safetensors(tensors: dict[str, Any], path: str | Path) -> None:
+    """safetensors.torch.save_file through a temp file, fsync and rename: the file is whole or absent."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode("utf-8"))
 

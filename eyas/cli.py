@@ -119,9 +119,12 @@ def _disk_hint(e: BaseException) -> str:
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            where = f" writing {e.filename}" if e.filename else ""
-            return (f"\neyas: out of disk space or over a file-size limit{where} ({e.strerror}): free space there (or "
+        text = str(e)  # a library's own I/O error (safetensors: "I/O error: File too large (os error 27)")
+        if (isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)) or any(
+                f"(os error {n})" in text for n in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)):
+            where = f" writing {e.filename}" if getattr(e, "filename", None) else ""
+            return (f"\neyas: out of disk space or over a file-size limit{where} ({getattr(e, 'strerror', None) or text}): "
+                    "free space there (or "
                     "point --run_dir / the stage's out_dir at a larger disk) and run the same command again; it "
                     "continues from what was written whole")
         e = e.__cause__ or e.__context__

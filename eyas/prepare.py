@@ -53,7 +53,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from eyas import artifacts, vocab
 from eyas.chat import REASONING, Conversation, load_conversations
@@ -494,11 +493,12 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     d2t, t2d = vocab.d2t_t2d(selected, vsize)
     cover = vocab.coverage(tok_counts, selected)
 
-    save_file(
+    artifacts.atomic_save_safetensors(
         {"input_ids": torch.from_numpy(flat_ids), "loss_mask": torch.from_numpy(flat_mask), "offsets": torch.from_numpy(offsets)},
-        str(out / "tokens.safetensors"),
+        out / "tokens.safetensors",
     )
-    save_file({"d2t": d2t, "t2d": t2d, "token_counts": torch.from_numpy(tok_counts)}, str(out / "vocab.safetensors"))
+    artifacts.atomic_save_safetensors({"d2t": d2t, "t2d": t2d, "token_counts": torch.from_numpy(tok_counts)},
+                                      out / "vocab.safetensors")
     artifacts.atomic_write_json(out / "sample_ids.json", kept)
     artifacts.atomic_write_text(out / "config.yaml", dump_config(cfg))
     summary = {

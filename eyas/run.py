@@ -66,8 +66,8 @@ BUDGET_KEYS = {
     "regenerate": ("max_seconds",),
     "prepare": ("num_workers",),
     "extract": ("allow_failures", "progress", "spill_dirs", "min_free_gb"),  # where shards go, not what they hold
-    "train": ("max_seconds", "stop_by", "resume", "num_workers", "tensorboard", "keep_checkpoints", "loss_kernel",
-              "target_group_tokens"),
+    "train": ("max_seconds", "stop_by", "resume", "num_workers", "loader_timeout_s", "tensorboard", "keep_checkpoints",
+              "loss_kernel", "target_group_tokens"),
 }
 ALL_RANKS = ("extract", "train")  # under torchrun every rank runs these (extract with the HF backend); the rest rank 0
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME",

@@ -197,6 +197,9 @@ class TrainConfig:
     checkpoint directory: continue from it; empty: start fresh (an existing run is an error)."""
     num_workers: int = -1
     """Data loader worker processes (-1 = 2 on GPU, 0 on CPU)."""
+    loader_timeout_s: float = 300.0
+    """With loader workers: seconds without a batch before training stops, naming the cause (a
+    worker that died or could not hand its batch over, e.g. a full /dev/shm); 0 = wait forever."""
     tensorboard: bool = False
     """Also write TensorBoard events to OUT_DIR/tb (needs the tensorboard package)."""
     out_dir: str = ""
@@ -262,6 +265,7 @@ class TrainConfig:
             require(getattr(self, name) >= 0, f"train.{name}={getattr(self, name)} must be >= 0")
         require(self.log_every >= 1, f"train.log_every={self.log_every} must be >= 1")
         require(self.collapse_steps >= 0, f"train.collapse_steps={self.collapse_steps} must be >= 0 (0 = never)")
+        require(self.loader_timeout_s >= 0, f"train.loader_timeout_s={self.loader_timeout_s} must be >= 0 (0 = none)")
         require(self.num_workers >= -1, f"train.num_workers={self.num_workers} must be >= 0 (or -1 = auto)")
         require(self.target_group_tokens >= 0,
                 f"train.target_group_tokens={self.target_group_tokens} must be >= 0 (0 = one forward per batch)")

@@ -87,7 +87,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
         workers = tc.num_workers if tc.num_workers >= 0 else (2 if device.type == "cuda" else 0)
         eval_plans = epoch_batches(eval_idx, data.lengths, tc.max_tokens, cfg.seed, 0, rank, world_size, shuffle=False)
         eval_fn = (lambda: batch_loader(data.source, eval_plans, tc.ttt_steps, tc.max_tokens, pad, workers,
-                                        device.type == "cuda")) if eval_plans else None
+                                        device.type == "cuda", tc.loader_timeout_s)) if eval_plans else None
         if rank == 0:
             print(f"[eyas:train] {tc.mode}: {len(train_idx)} train / {len(eval_idx)} eval samples, {sched.total} steps, "
                   f"draft {tr.draft.num_trainable_parameters():,} parameters, {tr.attention} attention, "

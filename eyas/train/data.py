@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from eyas.errors import EyasError
 from eyas.capture import HiddenStateCapture, base_model, to_device
 from eyas.ttt import shift_left
 
@@ -244,15 +245,46 @@ class PackedBatches(torch.utils.data.Dataset):
         return pack([self.source[i] for i in self.plans[k]], self.num_steps, self.max_tokens, self.pad_multiple)
 
 
-def batch_loader(source, plans: list[list[int]], num_steps: int, max_tokens: int, pad_multiple: int, num_workers: int, pin: bool):
-    return torch.utils.data.DataLoader(
+def batch_loader(source, plans: list[list[int]], num_steps: int, max_tokens: int, pad_multiple: int, num_workers: int,
+                 pin: bool, timeout_s: float = 0.0):
+    """The packed batches of `plans`, in order; with workers, a batch that does not come within
+    `timeout_s` (a worker that died, or failed to hand its batch over and only printed why, as
+    multiprocessing's queue feeder does) raises LoaderStalled instead of waiting forever."""
+    loader = torch.utils.data.DataLoader(
         PackedBatches(source, plans, num_steps, max_tokens, pad_multiple),
         batch_size=None,
         shuffle=False,
         num_workers=num_workers,
         pin_memory=pin,
         persistent_workers=False,
+        timeout=timeout_s if num_workers > 0 else 0,
     )
+    return _Loud(loader, timeout_s)
+
+
+class LoaderStalled(EyasError):
+    """train's data loader produced no batch within train.loader_timeout_s."""
+
+
+class _Loud:
+    def __init__(self, loader, timeout_s: float):
+        self.loader, self.timeout_s = loader, timeout_s
+
+    def __iter__(self):
+        it = iter(self.loader)
+        while True:
+            try:
+                yield next(it)
+            except StopIteration:
+                return
+            except RuntimeError as e:
+                if "timed out" not in str(e):
+                    raise
+                raise LoaderStalled(
+                    f"train's data loader produced no batch in train.loader_timeout_s={self.timeout_s:g} s: a loader "
+                    "worker died or could not hand its batch over (its error is printed above; a full /dev/shm or "
+                    "disk is a common cause). Fix that and run the same command: training resumes from its last "
+                    "checkpoint") from e
 
 
 def row_groups(lengths: list[int], overhead_tokens: int, quantum: int = 64) -> list[list[int]]:

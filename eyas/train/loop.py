@@ -316,7 +316,7 @@ def micro_batches(tr: Trainer, sched: Schedule, source, start_step: int, pad_mul
         epoch, window = sched.position(step)
         plans = sched.plans(epoch)[window * accum : sched.steps_per_epoch[epoch] * accum]
         it = iter(batch_loader(source, plans, tr.tc.ttt_steps, tr.tc.max_tokens, pad_multiple, num_workers,
-                               pin=tr.device.type == "cuda"))
+                               pin=tr.device.type == "cuda", timeout_s=tr.tc.loader_timeout_s))
         for _ in range(window, sched.steps_per_epoch[epoch]):
             if step >= sched.total:
                 return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
@@ -32,7 +33,9 @@ def thinking_for(messages) -> str:
 
 
 class ChatServer:
-    """mode: 'model' (real answers), 'fail' (always HTTP 503), 'flaky' (503 on the first request).
+    """mode: 'model' (real answers), 'fail' (always HTTP 503), 'flaky' (503 on the first request),
+    'stall' (holds each request without a byte until the mode changes: a server that stopped
+    generating but keeps its connections open).
     `reasoning_key` ('reasoning' as vLLM >= 0.11, 'reasoning_content' as SGLang): the response
     message also carries thinking_for(messages) under that key, as a server with a reasoning parser.
     Every request body is kept in `bodies`."""
@@ -58,6 +61,8 @@ class ChatServer:
                     return self._send(404, {"error": "not found"})
                 if server.mode == "fail" or (server.mode == "flaky" and n == 1):
                     return self._send(503, {"error": "overloaded"})
+                while server.mode == "stall":
+                    time.sleep(0.05)
                 with server.lock:  # one generate at a time: the model is shared
                     text, ntok, reason = greedy_reply(server.model, server.tok, body["messages"], body["max_tokens"])
                 message = {"role": "assistant", "content": text}

@@ -227,3 +227,24 @@ def test_held_out_split_keeps_conversation_pieces_and_identical_prompts_together
         seen = {stems[i] for i in tr} | {prompts[i] for i in tr}
         leaks.append(sum(stems[i] in seen or prompts[i] in seen for i in ev))
     assert leaks[0] > 20 and leaks[1] == 0, leaks  # per-sample split leaks; grouped does not
+
+
+class _SilentWorkerSource:
+    """A data source whose items never come out of a loader worker (as when the worker cannot hand
+    its batch over and multiprocessing's feeder thread only prints why)."""
+
+    def __getitem__(self, i):
+        import time
+
+        time.sleep(3600)
+
+
+def test_a_loader_worker_that_never_delivers_stops_training_naming_the_cause():
+    import time
+
+    from eyas.train.data import LoaderStalled, batch_loader
+
+    t0 = time.monotonic()
+    with pytest.raises(LoaderStalled, match=r"no batch in train.loader_timeout_s=1 s: a loader worker died"):
+        next(iter(batch_loader(_SilentWorkerSource(), [[0]], 2, 64, 0, num_workers=1, pin=False, timeout_s=1)))
+    assert time.monotonic() - t0 < 30

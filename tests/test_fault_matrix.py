@@ -1,0 +1,36 @@
+"""A seeded sample of the fault matrix (tests/fault_matrix.py): each sampled cell holds, i.e. after
+its fault the same `eyas run` command completes with every stage's output bit-identical to an
+uninterrupted run, or stops naming the file and what to run. EYAS_FAULT_SEED picks the sample
+(default 0), EYAS_FAULT_CELLS how many (default 4); `python bench/fault_matrix.py` runs them all."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from tests.fault_matrix import Matrix, cells
+
+SEED = int(os.environ.get("EYAS_FAULT_SEED", "0"))
+SAMPLE = sorted(random.Random(SEED).sample(cells(), int(os.environ.get("EYAS_FAULT_CELLS", "4"))), key=lambda c: c.name)
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory, smollm2_dir):
+    return Matrix(tmp_path_factory.mktemp("faults"), smollm2_dir)
+
+
+def test_the_matrix_has_every_stage_and_fault():
+    all_cells = cells()
+    assert len(all_cells) >= 40 and len({c.name for c in all_cells}) == len(all_cells)
+    for fault in ("kill9", "sigterm", "disk_full"):
+        assert {c.stage for c in all_cells if c.fault == fault} == {"regenerate", "prepare", "extract", "train", "export",
+                                                                     "evaluate"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", SAMPLE, ids=lambda c: c.name)
+def test_a_sampled_cell_holds(matrix, cell):
+    outcome = matrix.run_cell(cell, SEED)
+    assert outcome.held, f"{cell.name}: {outcome.result}: {outcome.detail}"
