@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eyas.assets import smollm2_dir  # noqa: E402
-from tests.fault_matrix import Matrix, cells  # noqa: E402
+from eyas.assets import smollm2_dir
+from tests.fault_matrix import Matrix, cells
 
 
 def main() -> int:

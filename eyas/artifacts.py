@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eyas.errors import ArtifactError, DamagedArtifact, EyasError
+from eyas.errors import ArtifactError, DamagedArtifact, EyasError, redact_urls
 
 SCHEMA_VERSION = 1
 
@@ -176,7 +176,8 @@ def run_dir_lock(run_dir: str | Path, command: str):
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    global _LOCK_FD
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -185,16 +186,34 @@ def run_dir_lock(run_dir: str | Path, command: str):
                             "commands in one run directory replace each other's stage outputs. Wait for it to "
                             f"finish or stop it, or give this one another --run_dir (lock: {path})") from None
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "command": f"eyas {command}",
-                  "argv": sys.argv, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+                  "argv": [redact_urls(a) for a in sys.argv], "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         os.environ[LOCK_HELD] = str(run_dir)
+        _LOCK_FD = fd
         try:
             yield
         finally:
             os.environ.pop(LOCK_HELD, None)
+            _LOCK_FD = None
     finally:
         os.close(fd)  # releases the flock
+
+
+_LOCK_FD: int | None = None
+"""The run-directory lock this process holds: a forked child (a loader worker) closes its copy, so an
+orphaned child never keeps the lock (the lock lives while any copy of the descriptor is open)."""
+
+
+def _close_lock_in_child() -> None:
+    global _LOCK_FD
+    if _LOCK_FD is not None:
+        with contextlib.suppress(OSError):
+            os.close(_LOCK_FD)
+        _LOCK_FD = None
+
+
+os.register_at_fork(after_in_child=_close_lock_in_child)
 
 
 def _holder(path: Path) -> str:

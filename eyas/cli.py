@@ -80,7 +80,9 @@ def _own_section(command: str, overrides: list[str]) -> list[str]:
 def sigterm_as_interrupt():
     """SIGTERM raises Terminated (a KeyboardInterrupt) in this process, once: the run unwinds as on
     Ctrl-C (summary.json, engines stopped) and exits 143; a second SIGTERM kills as by default.
-    Processes forked from this one (worker pools) keep the default: they just stop."""
+    Processes forked from this one (worker pools) keep the default: they just stop. Where Python
+    ignores the exception (a signal that lands in an at-fork hook, as when a DataLoader starts its
+    workers, is "Exception ignored in ..."), the signal is raised again at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -93,11 +95,20 @@ def sigterm_as_interrupt():
             return
         raise Terminated("SIGTERM")
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    def unraisable(u) -> None:  # raised where Python ignores exceptions (an at-fork hook): raised again
+        if isinstance(u.exc_value, Terminated) and os.getpid() == pid:  # from outside that hook, a moment later
+            signal.signal(signal.SIGTERM, handler)
+            threading.Timer(0.05, os.kill, (pid, signal.SIGTERM)).start()
+            return
+        hook(u)
+
+    previous, hook = signal.signal(signal.SIGTERM, handler), sys.unraisablehook
+    sys.unraisablehook = unraisable
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sys.unraisablehook = hook
 
 
 def _locked_dir(command: str, cfg) -> Path | None:

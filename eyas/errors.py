@@ -48,12 +48,18 @@ class Terminated(KeyboardInterrupt):
     engines and child processes are stopped, and the command exits 143."""
 
 
-_URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<user>[^/@:\s]*):(?P<password>[^/@\s]*)@")
+_URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s]*)@")
 
 
 def redact_urls(text: str) -> str:
-    """`text` with the password of every URL in it shown as *** (`https://user:***@host/...`)."""
-    return _URL_CREDENTIALS.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    """`text` with the credentials of every URL in it shown as *** (`https://user:***@host/...`;
+    a token alone, `https://***@host`): everything up to the host's last @ is hidden but the user."""
+
+    def hide(m: re.Match) -> str:
+        user, colon, _ = m["userinfo"].partition(":")
+        return f"{m['scheme']}{user}:***@" if colon and "@" not in user else f"{m['scheme']}***@"
+
+    return _URL_CREDENTIALS.sub(hide, text)
 
 
 def exception_message(exc: BaseException) -> str:

@@ -63,11 +63,11 @@ SECTIONS = {
 # an extraction's skipped samples without extracting again). evaluate.max_seconds stays in the key:
 # evaluation does not resume, so a larger budget has to re-run it.
 BUDGET_KEYS = {
-    "regenerate": ("max_seconds",),
+    "regenerate": ("max_seconds", "stall_s", "timeout_s", "retries", "concurrency", "server_api_key_env"),
     "prepare": ("num_workers",),
     "extract": ("allow_failures", "progress", "spill_dirs", "min_free_gb"),  # where shards go, not what they hold
-    "train": ("max_seconds", "stop_by", "resume", "num_workers", "loader_timeout_s", "tensorboard", "keep_checkpoints",
-              "loss_kernel", "target_group_tokens"),
+    "train": ("max_seconds", "stop_by", "resume", "num_workers", "loader_timeout_s", "collapse_steps", "tensorboard",
+              "keep_checkpoints", "loss_kernel", "target_group_tokens"),
 }
 ALL_RANKS = ("extract", "train")  # under torchrun every rank runs these (extract with the HF backend); the rest rank 0
 TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_NAME",
@@ -216,6 +216,23 @@ def output_damage(stage: str, out: Path, meta: dict[str, Any]) -> tuple[str, lis
     return f"{len(bad)} damaged file(s): {shown}" + (" ..." if len(bad) > 5 else ""), [p for p, _ in bad]
 
 
+def _move_aside(stage: str, out: Path, damaged: list[Path]) -> None:
+    """Keep the damaged files, out of the way of the stage made again: extract's renamed in place
+    (`damaged-NAME`: a shard may be large, or on a spill disk; extract neither lists nor cleans such
+    names), the others' moved to OUT.damaged/ beside the stage directory (which is replaced)."""
+    moved = []
+    for f in damaged:
+        if not f.exists():
+            continue
+        dest = f.with_name("damaged-" + f.name) if stage == "extract" else out.parent / f"{out.name}.damaged" / f.relative_to(out)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(f, dest)
+        moved.append(dest)
+    if moved:
+        print(f"[eyas:run] {stage}: the damaged file(s) kept as {', '.join(map(str, moved[:3]))}"
+              + (" ..." if len(moved) > 3 else "") + " (delete them when no longer needed)", flush=True)
+
+
 def _damaged_shards(out: Path, meta: dict[str, Any]) -> list[tuple[Path, str]]:
     """Extract's shards that are missing, of another size or another sha256 (hashed in threads; for
     a few TB, minutes of the run's hours). When all are whole, train in this process skips its own
@@ -223,6 +240,12 @@ def _damaged_shards(out: Path, meta: dict[str, Any]) -> list[tuple[Path, str]]:
     from concurrent.futures import ThreadPoolExecutor
 
     from eyas.hidden_states import VERIFIED, verified_mark
+
+    gone = sorted({(out / name).parent for name in meta.get("shards") or {} if not (out / name).parent.is_dir()})
+    if gone:  # a spill disk not mounted: not damage to repair by extracting terabytes again
+        raise ArtifactError(f"extract's shards in {', '.join(map(str, gone))} are gone with their directory (a spill "
+                            "directory not mounted?): mount it and run again; or create the directory empty to have "
+                            "eyas extract those shards again")
 
     def check(item) -> tuple[Path, str] | None:
         name, rec = item
@@ -534,8 +557,7 @@ def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfi
         if damage:
             print(f"[eyas:run] {s}: {damage}: making {'those' if s in RESUMED_REPAIR else 'it'} again", flush=True)
             repair = {"meta.json": (out / "meta.json").read_bytes()}
-            for f in damaged:
-                f.unlink(missing_ok=True)
+            _move_aside(s, out, damaged)
             if s in RESUMED_REPAIR:  # resumed, it completes again (extract: the missing shards, then its index)
                 (out / "meta.json").unlink()
             state = "damaged"

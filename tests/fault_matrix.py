@@ -116,7 +116,7 @@ class Matrix:
         return [self.python, "-m", "eyas", "run", f"--run_dir={run}", f"--target.model={self.target}",
                 "--target.dtype=float32", f"--prepare.data={self.chats}", "--regenerate.enabled=true",
                 "--regenerate.max_new_tokens=8", "--regenerate.chunk_conversations=16", "--prepare.max_length=128",
-                "--prepare.draft_vocab_size=500", "--prepare.num_workers=2", "--extract.shard_bytes=1000000",
+                "--prepare.draft_vocab_size=500", "--prepare.num_workers=2", "--prepare.batch_size=8", "--extract.shard_bytes=1000000",
                 "--extract.token_budget=256", "--train.ttt_steps=2", "--train.max_tokens=512", "--train.max_steps=12",
                 "--train.save_every=4", "--train.eval_fraction=0", "--train.num_workers=1", "--train.loader_timeout_s=20",
                 "--evaluate.num_questions=1", "--evaluate.max_new_tokens=8", "--evaluate.mode=chain",
@@ -182,7 +182,7 @@ class Matrix:
             proc = subprocess.Popen(self.args(run, *extra), stdout=f, stderr=subprocess.STDOUT, env=_env(),
                                     start_new_session=True)
         started = _wait_for(log, f"[eyas:run] {cell.stage}: running", proc)
-        delay = rng.uniform(0, max(walls.get(cell.stage) or 0.5, 0.2))
+        delay = rng.uniform(0, 0.5 * (walls.get(cell.stage) or 0.2))  # inside the stage, most likely
         time.sleep(delay)
         ended_first = proc.poll() is not None
         if not ended_first:
@@ -242,7 +242,10 @@ class Matrix:
                                     start_new_session=True)
         _wait_for(log, f"[eyas:run] {cell.stage}: running", proc)
         victim, deadline = None, time.monotonic() + 60
+        later = [f"[eyas:run] {t}: running" for t in STAGES[STAGES.index(cell.stage) + 1:]]
         while victim is None and proc.poll() is None and time.monotonic() < deadline:
+            if any(line in log.read_text(errors="replace") for line in later):
+                break  # the stage ended before a worker of it was seen
             kids = _children(proc.pid)
             if kids:
                 victim = kids[0]
@@ -260,8 +263,8 @@ class Matrix:
         model, tok = _tiny_model(self.target)
         server = ChatServer(model, tok).__enter__()
         return server, ("--regenerate.backend=server", f"--regenerate.server_url={server.url}",
-                        "--regenerate.server_model=tiny", "--regenerate.stall_s=2", "--regenerate.retries=1",
-                        "--regenerate.concurrency=4")
+                        "--regenerate.server_model=tiny", "--regenerate.stall_s=5", "--regenerate.retries=1",
+                        "--regenerate.concurrency=1")  # the server answers one request at a time
 
     def _stalled_server(self, cell, run, work, rng, walls, extra) -> str:
         self.server.mode = "stall"
@@ -308,8 +311,10 @@ def _wait_for(log: Path, line: str, proc, timeout: float = 300) -> bool:
 
 
 def _children(pid: int) -> list[int]:
+    """The worker processes of `pid`: its children but multiprocessing's resource tracker."""
     try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        kids = [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        return [k for k in kids if b"resource_tracker" not in Path(f"/proc/{k}/cmdline").read_bytes()]
     except OSError:
         return []
 

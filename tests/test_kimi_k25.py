@@ -189,7 +189,9 @@ def extracted(tmp_path_factory, kimi) -> tuple[Path, Path]:
     the parity check on every sample; -> (run directory, log)."""
     root = tmp_path_factory.mktemp("kimi-run")
     chats = write_synthetic_chats(root / "chats.jsonl", 6, max_words=30)
-    run_prepare(root / "run", chats, max_length=96, draft_vocab=500, model=str(kimi))
+    # the whole vocabulary as the draft's: the random target's top-1 lies anywhere in its 49,152 ids, and a
+    # position trains only when it lies in the draft vocabulary (with 500 none did: the draft never changed)
+    run_prepare(root / "run", chats, max_length=96, draft_vocab=49152, model=str(kimi))
     log = root / "extract.log"
     res = run_eyas_vllm(["extract", f"--run_dir={root / 'run'}", f"--target.model={kimi}", "--target.dtype=float32",
                          "--extract.backend=vllm", f"--extract.layer_ids={AUX}", "--extract.vllm_parity=6",

@@ -79,6 +79,8 @@ def test_extract_shards_deleted_cut_or_flipped_are_made_again_and_what_follows_s
     assert cli(args(run, target, chats)) == 0
     out = capsys.readouterr().out
     assert f"extract: 1 damaged file(s): {names[2]} (its sha256 differs from meta.json)" in out
+    kept = run / "extract" / names[2].replace("r000-", "damaged-r000-")
+    assert kept.is_file() and f"kept as {kept}" in out  # kept, out of extract's way
     assert status(out) == {"prepare": "skipped", "extract": "ran", "train": "skipped"} and shards(run) == before
 
 
@@ -102,6 +104,7 @@ def test_a_flipped_token_id_in_prepares_output_is_caught_and_made_again(made, tm
     assert "prepare: 1 damaged file(s): tokens.safetensors (is damaged: its sha256 differs" in out
     assert "made again bit for bit as it was" in out
     assert status(out) == {"prepare": "ran", "extract": "skipped"} and tokens.read_bytes() == whole
+    assert (run / "prepare.damaged" / "tokens.safetensors").read_bytes() == bytes(flipped)
 
 
 def test_a_truncated_draft_names_the_file_and_what_to_run(tmp_path, smollm2_dir):

@@ -25,6 +25,7 @@ from tests.models import save_tiny
 HOLD = """
 import sys, time
 from eyas.artifacts import run_dir_lock
+sys.argv.append("--regenerate.server_url=https://ann:pa55word@host")  # its command line, as the lock shows it
 with run_dir_lock(sys.argv[1], "run"):
     print("held", flush=True)
     time.sleep(600)
@@ -43,7 +44,8 @@ def test_a_second_command_on_a_held_run_directory_names_the_holder_and_touches_n
             assert cli([*command, f"--run_dir={run}", f"--prepare.data={chats}", "--target.model=/nonexistent"]) == 2
             err = capsys.readouterr().err
             assert f"run directory {run} is in use by another eyas command (pid {holder.pid} on " in err
-            assert "--run_dir" in err and str(run / ".eyas.lock") in err
+            assert "--run_dir" in err and str(run / ".eyas.lock") in err and "https://ann:***@host" in err
+            assert "pa55word" not in err + (run / ".eyas.lock").read_text()
         assert (run / "prepare" / "tokens.safetensors").read_bytes() == b"the first command's output"
     finally:
         holder.send_signal(signal.SIGKILL)
@@ -81,3 +83,28 @@ def test_sigterm_in_the_middle_of_training_leaves_a_summary_and_the_same_command
     second = subprocess.run(args, check=False, capture_output=True, text=True, env=env, timeout=600)
     assert second.returncode == 0, (second.stdout + second.stderr)[-3000:]
     assert "[eyas:run] train: resuming" in second.stdout and "extract: up to date" in second.stdout
+
+
+AT_FORK = """
+import os, signal, sys, time
+from eyas.cli import sigterm_as_interrupt
+from eyas.errors import Terminated
+# SIGTERM landing inside an at-fork hook (a DataLoader starting its workers): CPython prints the
+# hook's exception as "ignored" and goes on, so eyas must raise it again
+os.register_at_fork(after_in_parent=lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.2)))
+try:
+    with sigterm_as_interrupt():
+        child = os.fork()
+        if child == 0:
+            os._exit(0)
+        os.waitpid(child, 0)
+        time.sleep(5)
+    print("went on")
+except Terminated:
+    print("terminated")
+"""
+
+
+def test_a_sigterm_that_python_would_ignore_in_an_at_fork_hook_still_stops_the_run():
+    out = subprocess.run([sys.executable, "-c", AT_FORK], capture_output=True, text=True, timeout=60, check=False)
+    assert out.stdout.strip() == "terminated", out.stdout + out.stderr

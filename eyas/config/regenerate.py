@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from eyas.config.base import require
@@ -67,9 +68,10 @@ class RegenerateConfig:
     timeout_s: float = 600.0
     """server backend: seconds per request."""
     stall_s: float = 60.0
-    """server backend: answers are streamed (one event per token); a request that receives nothing
-    for this many seconds (a server that stopped generating but keeps its connections open) is
-    reported as stalled when it happens, and retried like a failed one."""
+    """server backend: answers are streamed (the response starts at once, then one event per token);
+    a request that receives nothing for this many seconds, its start included (a server that
+    stopped generating but keeps its connections open), is reported as stalled when it happens, and
+    retried like a failed one. With extra_body {stream: false} timeout_s applies instead."""
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/regenerate."""
     extra_body: dict = field(default_factory=dict)
@@ -111,9 +113,9 @@ class RegenerateConfig:
         require(self.retries >= 0, f"regenerate.retries={self.retries} must be >= 0")
         require(self.stall_s > 0 and self.timeout_s > 0,
                 f"regenerate.stall_s={self.stall_s} and regenerate.timeout_s={self.timeout_s} must be > 0")
-        require(not self.server_api_key_env or self.server_api_key_env.replace("_", "a").isalnum(),
-                f"regenerate.server_api_key_env={self.server_api_key_env!r} names the environment variable that "
-                "holds the key (e.g. VLLM_API_KEY), not the key itself")
+        require(not self.server_api_key_env or re.fullmatch(r"[A-Z_][A-Z0-9_]*", self.server_api_key_env) is not None,
+                "regenerate.server_api_key_env names the environment variable that holds the key, in capitals (e.g. "
+                "VLLM_API_KEY), not the key itself; the value given is no such name (not shown: it may be a key)")
         require(self.max_prompt_tokens >= 8, f"regenerate.max_prompt_tokens={self.max_prompt_tokens} is too small")
         require(self.self_prompts >= 0, f"regenerate.self_prompts={self.self_prompts} must be >= 0 (0 = none)")
         require(self.self_prompts == 0 or self.backend == "hf",

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -97,7 +98,9 @@ def proxy_config(config: dict[str, Any], tensor_parallel: int = 1, expert_parall
         grouped = int(c.get("num_key_value_heads") or c["num_attention_heads"]) < int(c["num_attention_heads"])
         c.update(num_attention_heads=heads, num_key_value_heads=tensor_parallel if grouped else heads,
                  head_dim=head_dim, hidden_size=heads * head_dim)
-    c["intermediate_size"] = _up(512, 64 * tensor_parallel)
+    # a quantized proxy: each rank's slice of an MLP's input a whole number of the target's groups
+    unit = math.lcm(64, _group_size(c.get("quantization_config"))) * tensor_parallel
+    c["intermediate_size"] = _up(512, unit)
     if moe:
         groups = int(c.get("n_group") or 1)
         experts = _up(max(2 * groups, 4), tensor_parallel if expert_parallel else 1)
@@ -106,7 +109,7 @@ def proxy_config(config: dict[str, Any], tensor_parallel: int = 1, expert_parall
                 c[key] = experts
         for key in ("moe_intermediate_size", "shared_expert_intermediate_size"):
             if key in c:
-                c[key] = _up(256, 64 * tensor_parallel)
+                c[key] = _up(256, unit)
         per_token = "num_experts_per_tok"
         if per_token in c:
             c[per_token] = min(int(c[per_token]), 2 * int(c.get("topk_group") or groups), experts)
@@ -131,6 +134,12 @@ def writable_quantization(qc: dict[str, Any] | None) -> str | None:
                 or w.get("strategy") not in ("group", "channel") or w.get("dynamic")):
             return f"config group {name!r} ({scheme}, targets {group.get('targets')}) is not one the proxy writes"
     return None if qc.get("config_groups") else "its quantization_config has no config_groups"
+
+
+def _group_size(qc: dict[str, Any] | None) -> int:
+    """The largest weight group of a quantization_config (1 when none or per channel)."""
+    sizes = [(g.get("weights") or {}).get("group_size") for g in ((qc or {}).get("config_groups") or {}).values()]
+    return max([int(n) for n in sizes if n and int(n) > 0] or [1])
 
 
 def _keep_writable_quantization(c: dict[str, Any]) -> None:
@@ -302,7 +311,9 @@ def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
         if "quantization_config" not in config and "quantization_config" not in text:
             raise
         raise EyasError(f"vLLM could not run a tiny model of the target's architecture quantized as the target is "
-                        f"({quantization}): the target's own engine would fail the same way, after its load. {e}") from e
+                        f"({quantization}). Where vLLM's log above names the quantization (no kernel for this scheme "
+                        f"here), the target's own engine would fail the same way, after its load; otherwise "
+                        f"--extract.vllm_proxy_parity=never goes on without this check. {e}") from e
     try:
         batch = Batch([0, 1], [t.numel() for t in tokens], 1, sum(t.numel() for t in tokens), True)
         states = backend.forward(batch, tokens)

@@ -230,6 +230,9 @@ class ServerBackend:
         self.model = self.rc.server_model or cfg.target.model
         self.retried = 0
         self.stalls = 0
+        # a streamed answer starts (its headers) at once and then sends an event per token: silence for
+        # stall_s is a stall; an answer asked in one piece (extra_body stream: false) comes at its end
+        self.timeout = self.rc.timeout_s if self.rc.extra_body.get("stream") is False else self.rc.stall_s
 
     def generate_messages(self, prompts: list[list[dict[str, str]]], ids: list[str]) -> list[Answer]:
         """Answers to the chats (earlier assistant turns carry their `reasoning_content`: the
@@ -257,7 +260,7 @@ class ServerBackend:
                 time.sleep(min(2.0 ** (attempt - 1), 30.0))
             req = urllib.request.Request(self.url, data=data, headers=self.headers)
             try:  # the socket timeout bounds each read: with one event per token, silence means a stall
-                with urllib.request.urlopen(req, timeout=self.rc.stall_s) as resp:
+                with _OPENER.open(req, timeout=self.timeout) as resp:
                     if resp.headers.get_content_type() == "text/event-stream":
                         text, reasoning, n, reason = self._read_stream(resp, conv_id, time.monotonic() + self.rc.timeout_s)
                     else:  # a server that answers in one piece
@@ -333,6 +336,16 @@ class ServerBackend:
             raise EyasError(f"regenerate: malformed response from {self.shown} for conversation {conv_id}: "
                             f"{str(payload)[:500]}") from e
         return text, reasoning, n, choice.get("finish_reason") or "stop"
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is an error (HTTPError 30x): urllib would carry the Authorization header to another host."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirects)
 
 
 class _RetryableStreamError(Exception):

@@ -263,7 +263,7 @@ def batch_loader(source, plans: list[list[int]], num_steps: int, max_tokens: int
 
 
 class LoaderStalled(EyasError):
-    """train's data loader produced no batch within train.loader_timeout_s."""
+    """train's data loader lost a worker, or produced no batch within train.loader_timeout_s."""
 
 
 class _Loud:
@@ -278,6 +278,11 @@ class _Loud:
             except StopIteration:
                 return
             except RuntimeError as e:
+                if "DataLoader worker" in str(e) and ("exited unexpectedly" in str(e) or "killed by signal" in str(e)):
+                    raise LoaderStalled(
+                        f"train's data loader lost a worker ({e}): killed from outside or by the kernel's "
+                        "out-of-memory killer (lower --train.num_workers or --train.max_tokens if memory is "
+                        "short); run the same command: training resumes from its last checkpoint") from e
                 if "timed out" not in str(e):
                     raise
                 raise LoaderStalled(

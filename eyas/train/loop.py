@@ -337,8 +337,9 @@ class Lookahead:
 
     _END = object()
 
-    def __init__(self, tr: Trainer, windows):
+    def __init__(self, tr: Trainer, windows, start: int = 0):
         self.tr, self.windows, self.ready, self.loader_s = tr, windows, None, 0.0
+        self.last = start - 1  # the last step whose window was loaded
 
     def __iter__(self) -> "Lookahead":
         return self
@@ -359,7 +360,18 @@ class Lookahead:
         except StopIteration:
             self.ready = self._END
             return
-        self.ready = (step, epoch, [self.tr.prepare(b) for b in batches])
+        except BaseException as e:  # the loader's: the window it could not load comes after the last one loaded
+            with contextlib.suppress(AttributeError):
+                e.eyas_context = {"step": self.last + 2, "sample_ids": [], "while": "loading that step's batches"}
+            raise
+        try:
+            self.ready = (step, epoch, [self.tr.prepare(b) for b in batches])
+        except BaseException as e:  # preparing the next window (online: the target's forward) is that step's
+            with contextlib.suppress(AttributeError):
+                e.eyas_context = {"step": step + 1, "sample_ids": [i for b in batches for i in b.sample_ids],
+                                  "while": "preparing that step's batches"}
+            raise
+        self.last = step
         self.loader_s += time.perf_counter() - t0
 
     def close(self) -> None:
@@ -464,13 +476,14 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     watch = CollapseWatch(tc.collapse_steps, sched.total, tc.lr)
     before = draft_fingerprint(tr.model)
     tr.model.train()
-    windows = Lookahead(tr, micro_batches(tr, sched, source, start, pad_multiple, num_workers))
+    windows = Lookahead(tr, micro_batches(tr, sched, source, start, pad_multiple, num_workers), start)
     for step, epoch, batches in windows:
         try:
             out_s = train_step(tr, batches, step, before_sync=windows.launch_next)
         except BaseException as e:  # errors.jsonl names the step and this rank's samples (train/__init__.py)
-            with contextlib.suppress(AttributeError):
-                e.eyas_context = {"step": step + 1, "sample_ids": [i for b in batches for i in b.sample_ids]}
+            if not hasattr(e, "eyas_context"):  # (the next window's, when preparing it failed: Lookahead)
+                with contextlib.suppress(AttributeError):
+                    e.eyas_context = {"step": step + 1, "sample_ids": [i for b in batches for i in b.sample_ids]}
             raise
         for k in acc:
             acc[k] += out_s[k]
@@ -589,8 +602,9 @@ def save(tr: Trainer, ckpt_root: Path, step: int, sched: Schedule, draft_cfg: Dr
                     tr.tc.keep_checkpoints)
 
 
-def record_failure(out: Path, exc: BaseException, rank: int, step: int | None = None, sample_ids=()) -> None:
+def record_failure(out: Path, exc: BaseException, rank: int, step: int | None = None, sample_ids=(),
+                   **context) -> None:
     """errors.jsonl: the failure with its rank, and the optimizer step and this rank's samples when it
-    happened inside a step."""
+    happened inside a step (`context`: what it was doing)."""
     record_error(out / "errors.jsonl" if out.is_dir() else None, exc, stage="train", rank=rank, sample_ids=sample_ids,
-                 **({"step": step} if step is not None else {}))
+                 **({"step": step} if step is not None else {}), **context)

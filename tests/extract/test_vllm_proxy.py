@@ -142,6 +142,11 @@ def test_a_proxy_keeps_a_quantization_it_can_write_and_says_why_not_otherwise():
         qc = {**KIMI_INT4, "config_groups": {"group_0": group}}
         assert "group_0" in writable_quantization(qc) and "quantization_config" not in proxy_config(
             {**LLAMA_8B, "quantization_config": qc})
+    big_groups = {**KIMI_INT4, "config_groups": {"group_0": {**KIMI_INT4["config_groups"]["group_0"], "weights": {
+        **KIMI_INT4["config_groups"]["group_0"]["weights"], "group_size": 128}}}}
+    p = proxy_config({**DEEPSEEK_V3, "quantization_config": big_groups}, tensor_parallel=8)
+    for key in ("intermediate_size", "moe_intermediate_size"):  # each rank's slice: whole groups of 128
+        assert (p[key] // 8) % 128 == 0, (key, p[key])
     wrapped = proxy_config({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": DEEPSEEK_V3,
                             "quantization_config": KIMI_INT4})
     assert wrapped["quantization_config"] == KIMI_INT4 and "quantization_config" not in wrapped["text_config"]
@@ -226,5 +231,5 @@ def test_a_kimi_int4_target_stops_before_its_load_where_vllm_has_no_int4_moe_ker
     assert res.returncode == 2, log[-4000:]
     assert "No WNA16 MoE backend supports the deployment configuration" in log  # vLLM's reason, in its log
     assert ("vLLM could not run a tiny model of the target's architecture quantized as the target is (compressed-tensors "
-            "pack-quantized int4 in groups of 32, as the target's): the target's own engine would fail the same way") in log
+            "pack-quantized int4 in groups of 32, as the target's). Where vLLM's log above names the quantization") in log
     assert log.count("starting the engine") == 1 and not (tmp_path / "moe" / "vllm-proxy").exists()

@@ -204,6 +204,10 @@ def test_url_credentials_go_as_basic_auth_and_are_redacted_in_files_and_messages
         regenerate(cfg)
     assert f"http://ann:***@127.0.0.1:{port}/v1/chat/completions" in str(e.value) and "s3cr" not in str(e.value)
     assert "s3cr" not in (tmp_path / "regenerate" / "config.yaml").read_text()
+    from eyas.errors import redact_urls
+
+    assert redact_urls("at https://tok3n@h.example/v1 and http://u:p@ss@h:8/x") == \
+        "at https://***@h.example/v1 and http://u:***@h:8/x"  # a token alone; an @ inside the password
 
 
 def test_an_api_key_comes_only_from_the_variable_the_config_names(tmp_path, data, monkeypatch):
