@@ -56,8 +56,9 @@ class Cell:
     file: str = ""
 
     @property
-    def name(self) -> str:
-        return f"{self.stage}-{self.fault}" + (f"-{Path(self.file).name}" if self.file else "")
+    def name(self) -> str:  # e.g. train-flip-final.draft.safetensors
+        where = self.file.split("/", 1)[-1].replace("checkpoints/LATEST", "checkpoint").replace("shards/", "")
+        return f"{self.stage}-{self.fault}" + (f"-{where.replace('/', '.')}" if self.file else "")
 
 
 def cells() -> list[Cell]:
@@ -85,7 +86,8 @@ def fingerprint(run: Path) -> dict[str, Any]:
     out: dict[str, Any] = {
         "regenerate": _sha(run / "regenerate" / "conversations.jsonl"),
         "prepare": {f: _sha(run / "prepare" / f) for f in ("tokens.safetensors", "vocab.safetensors", "sample_ids.json")},
-        "extract": {f.name: _sha(f) for f in sorted((run / "extract" / "shards").iterdir())},
+        "extract": {f.name: _sha(f) for f in sorted((run / "extract" / "shards").glob("r*.safetensors"))},  # not
+        # the damaged files `eyas run` kept aside (damaged-NAME)
         "extract_index": _sha(run / "extract" / "index.json"),
         "train": _sha(run / "train" / "final" / "draft.safetensors"),
         "export": {str(f.relative_to(run / "export")): _sha(f) for f in sorted((run / "export").rglob("*"))

@@ -1,7 +1,8 @@
 """A seeded sample of the fault matrix (tests/fault_matrix.py): each sampled cell holds, i.e. after
 its fault the same `eyas run` command completes with every stage's output bit-identical to an
 uninterrupted run, or stops naming the file and what to run. EYAS_FAULT_SEED picks the sample
-(default 0), EYAS_FAULT_CELLS how many (default 4); `python bench/fault_matrix.py` runs them all."""
+(default 0), EYAS_FAULT_CELLS how many (default 3: a signal, a damaged file, a resource fault);
+`python bench/fault_matrix.py` runs them all."""
 
 from __future__ import annotations
 
@@ -13,7 +14,18 @@ import pytest
 from tests.fault_matrix import Matrix, cells
 
 SEED = int(os.environ.get("EYAS_FAULT_SEED", "0"))
-SAMPLE = sorted(random.Random(SEED).sample(cells(), int(os.environ.get("EYAS_FAULT_CELLS", "4"))), key=lambda c: c.name)
+FAMILIES = (("kill9", "sigterm"), ("torn", "flip"), ("disk_full", "dead_worker", "stalled_server", "dead_server"))
+"""The sample takes its cells from these families in turn: a signal, a damaged file, a resource."""
+
+
+def sample(seed: int, n: int) -> list:
+    rng = random.Random(seed)
+    pools = [[c for c in cells() if c.fault in family] for family in FAMILIES]
+    picked = [pools[i % len(pools)].pop(rng.randrange(len(pools[i % len(pools)]))) for i in range(n)]
+    return sorted(picked, key=lambda c: c.name)
+
+
+SAMPLE = sample(SEED, int(os.environ.get("EYAS_FAULT_CELLS", "3")))
 
 
 @pytest.fixture(scope="module")
