@@ -160,6 +160,8 @@ class Matrix:
             note = getattr(self, f"_{cell.fault}")(cell, run, work, rng, walls, extra)
             if self.unsaid:
                 return Outcome(False, self.unsaid, note, time.perf_counter() - t0)
+            if server is not None and getattr(self, "server", None) is not server:  # it died: back on its port
+                server = self.server
             if server is not None:
                 server.mode = "model"  # the server works again
             again = self._run(self.args(run, *extra), work / "again.log")
@@ -173,8 +175,9 @@ class Matrix:
         except Exception as e:  # a cell whose injection itself broke: not held, said why
             return Outcome(False, f"cell error: {type(e).__name__}", str(e)[:500], time.perf_counter() - t0)
         finally:
-            if server is not None:
-                server.__exit__(None, None, None)
+            for up in {id(x): x for x in (server, getattr(self, "server", None)) if x is not None}.values():
+                up.__exit__(None, None, None)
+            self.server = None
 
     # ---------------------------------------------------------------- the faults
 
@@ -277,11 +280,16 @@ class Matrix:
         return f"the server stalls every request: exit {proc.returncode}" + (", reported as stalled" if "stalled" in text else "")
 
     def _dead_server(self, cell, run, work, rng, walls, extra) -> str:
-        self.server.mode = "fail"
+        from tests.regenerate.chat_server import ChatServer
+
+        port = self.server.httpd.server_address[1]
+        self.server.__exit__(None, None, None)  # gone: connections refused
         proc = self._run(self.args(run, *extra), work / "first.log")
-        if proc.returncode == 0 or "HTTP 503" not in (work / "first.log").read_text():
-            self.unsaid = "a failing server not reported as such"
-        return f"the server answers HTTP 503 to every request: exit {proc.returncode}"
+        if proc.returncode == 0 or "Connection refused" not in (work / "first.log").read_text():
+            self.unsaid = "a dead server not reported as such"
+        model, tok = _tiny_model(self.target)
+        self.server = ChatServer(model, tok, port=port).__enter__()  # started again for the same command
+        return f"the server is down (connection refused): exit {proc.returncode}"
 
 
 _MODELS: dict[str, Any] = {}

@@ -41,7 +41,7 @@ class ChatServer:
     message also carries thinking_for(messages) under that key, as a server with a reasoning parser.
     Every request body is kept in `bodies`."""
 
-    def __init__(self, model=None, tok=None, mode: str = "model", reasoning_key: str = ""):
+    def __init__(self, model=None, tok=None, mode: str = "model", reasoning_key: str = "", port: int = 0):
         self.model, self.tok, self.mode, self.reasoning_key = model, tok, mode, reasoning_key
         self.bodies: list[dict] = []
         self.requests = 0
@@ -87,7 +87,7 @@ class ChatServer:
                 if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
                     super().handle_error(request, client_address)
 
-        self.httpd = Server(("127.0.0.1", 0), Handler)
+        self.httpd = Server(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
