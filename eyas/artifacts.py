@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eyas.assets import sha256_file
 from eyas.errors import ArtifactError, DamagedArtifact, EyasError, redact_urls
 
 SCHEMA_VERSION = 1
@@ -117,18 +118,10 @@ def read_meta(out_dir: str | Path, stage: str) -> dict[str, Any]:
     return meta
 
 
-def sha256_of(path: str | Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def file_record(out_dir: str | Path, names: list[str]) -> dict[str, dict[str, Any]]:
     """{name: {sha256, bytes}} of files in `out_dir`, for meta.json (`check_files` verifies them)."""
     out_dir = Path(out_dir)
-    return {n: {"sha256": sha256_of(out_dir / n), "bytes": (out_dir / n).stat().st_size} for n in names}
+    return {n: {"sha256": sha256_file(out_dir / n), "bytes": (out_dir / n).stat().st_size} for n in names}
 
 
 def check_files(out_dir: str | Path, stage: str, files: dict[str, dict[str, Any]]) -> None:
@@ -139,7 +132,7 @@ def check_files(out_dir: str | Path, stage: str, files: dict[str, dict[str, Any]
         why = ("is missing" if not path.is_file() else
                f"has {path.stat().st_size:,} bytes, not the {want['bytes']:,} {stage} wrote"
                if path.stat().st_size != want["bytes"] else
-               "is damaged: its sha256 differs from the one in meta.json" if sha256_of(path) != want["sha256"] else "")
+               "is damaged: its sha256 differs from the one in meta.json" if sha256_file(path) != want["sha256"] else "")
         if why:
             raise DamagedArtifact(f"{path} {why}; run {stage} again (the same `eyas run` does it by itself, and keeps "
                                   "the stages after it when the file comes out as it was)", path, stage)

@@ -239,6 +239,7 @@ def _damaged_shards(out: Path, meta: dict[str, Any]) -> list[tuple[Path, str]]:
     check of them (hidden_states.VERIFIED)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from eyas.assets import sha256_file
     from eyas.hidden_states import VERIFIED, verified_mark
 
     gone = sorted({(out / name).parent for name in meta.get("shards") or {} if not (out / name).parent.is_dir()})
@@ -253,7 +254,7 @@ def _damaged_shards(out: Path, meta: dict[str, Any]) -> list[tuple[Path, str]]:
         size = path.stat().st_size if path.is_file() else None
         if size != rec["bytes"]:
             return path, "missing" if size is None else f"{size:,} of {rec['bytes']:,} bytes"
-        return (path, "its sha256 differs from meta.json") if artifacts.sha256_of(path) != rec["sha256"] else None
+        return (path, "its sha256 differs from meta.json") if sha256_file(path) != rec["sha256"] else None
 
     shards = list((meta.get("shards") or {}).items())
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:

@@ -33,7 +33,8 @@ from torch import nn
 
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.draft_files import save_draft
-from eyas.artifacts import atomic_write_json, fsync_dir, sha256_of
+from eyas.artifacts import atomic_write_json, fsync_dir
+from eyas.assets import sha256_file
 from eyas.errors import ArtifactError, ConfigError, DamagedArtifact
 
 STEP_RE = re.compile(r"^step_(\d{7,})$")
@@ -122,7 +123,7 @@ def save(
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
-    atomic_write_json(tmp / CHECKSUMS, {f.name: sha256_of(f) for f in sorted(tmp.iterdir())})
+    atomic_write_json(tmp / CHECKSUMS, {f.name: sha256_file(f) for f in sorted(tmp.iterdir())})
     if final.exists():  # a re-run of the same step after resume
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -145,7 +146,7 @@ def check_checkpoint(path: Path) -> None:
         return
     for name, want in json.loads(sums.read_text()).items():
         f = path / name
-        if not f.is_file() or sha256_of(f) != want:
+        if not f.is_file() or sha256_file(f) != want:
             raise DamagedArtifact(f"checkpoint {path}: {name} is {'missing' if not f.is_file() else 'damaged'} "
                                   f"(sha256 differs from {CHECKSUMS}); remove {path} to resume from the checkpoint "
                                   "before it", f, "train")
