@@ -14,7 +14,7 @@ ALIGN_NORMS = ("valid", "kept")
 INIT_VOCABS = ("same", "remap")
 INIT_HEADS = ("random", "target")
 FLOAT_KNOBS = ("step_weight", "top1_weight", "lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "grad_clip",
-               "max_seconds", "stop_by", "rope_theta", "eval_fraction")
+               "max_seconds", "stop_by", "rope_theta", "eval_fraction", "loader_timeout_s")
 
 
 @dataclass

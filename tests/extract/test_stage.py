@@ -261,6 +261,11 @@ def test_preflight_failures(tmp_path, prep, no_weights, smollm2_dir, monkeypatch
     save_file({"input_ids": torch.zeros(0, dtype=torch.int32), "loss_mask": torch.zeros(0, dtype=torch.uint8),
                "offsets": torch.zeros(1, dtype=torch.int64)}, str(empty / "tokens.safetensors"))
     (empty / "sample_ids.json").write_text("[]")
+    from eyas import artifacts
+
+    meta = json.loads((empty / "meta.json").read_text())  # as prepare records an output it wrote so
+    meta["files"] = artifacts.file_record(empty, list(meta["files"]))
+    (empty / "meta.json").write_text(json.dumps(meta))
     fails(DataError, "no samples", prep_dir=empty)
 
 
