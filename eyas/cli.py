@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from eyas.config import STAGES
-from eyas.errors import EyasError, Terminated, describe_exception, exception_message
+from eyas.errors import TERMINATING, EyasError, Terminated, describe_exception, exception_message
 
 USAGE = """usage: eyas <command> [config.yaml] [--section.key=value ...]
 
@@ -93,6 +93,7 @@ def sigterm_as_interrupt():
         if os.getpid() != pid:  # a forked child that inherited this handler: die as by default
             os.kill(os.getpid(), signal.SIGTERM)
             return
+        TERMINATING[0] = True  # raised again between units of work if this one is swallowed
         raise Terminated("SIGTERM")
 
     def unraisable(u) -> None:  # raised where Python ignores exceptions (an at-fork hook): raised again
@@ -109,6 +110,7 @@ def sigterm_as_interrupt():
     finally:
         signal.signal(signal.SIGTERM, previous)
         sys.unraisablehook = hook
+        TERMINATING[0] = False
 
 
 def _locked_dir(command: str, cfg) -> Path | None:

@@ -48,6 +48,17 @@ class Terminated(KeyboardInterrupt):
     engines and child processes are stopped, and the command exits 143."""
 
 
+TERMINATING = [False]
+"""Set once SIGTERM arrived (eyas.cli): `raise_if_terminated` raises it again where a library
+swallowed the first Terminated (an `except BaseException` that does not re-raise)."""
+
+
+def raise_if_terminated() -> None:
+    """Called between units of work (stages, chunks, batches, steps)."""
+    if TERMINATING[0]:
+        raise Terminated("SIGTERM")
+
+
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s]*)@")
 
 

@@ -44,7 +44,8 @@ from typing import Any
 
 from eyas import artifacts
 from eyas.config import RESUMABLE, STAGES, EyasConfig, to_dict
-from eyas.errors import ArtifactError, ConfigError, DamagedArtifact, EyasError, describe_exception
+from eyas.errors import (ArtifactError, ConfigError, DamagedArtifact, EyasError, describe_exception,
+                         raise_if_terminated)
 
 # The config sections whose values define each stage's output (besides the stage before it).
 SECTIONS = {
@@ -550,6 +551,7 @@ def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfi
     changed = False  # a stage ran in this invocation: every later stage's output is out of date
     ran_apart: set[str] = set()  # stages a child `eyas run` ran (RanThrough), checked as outputs here
     for s in stages:
+        raise_if_terminated()
         current[:] = [s, time.perf_counter(), time.time()]
         out = cfg.stage_dir(s)
         state, meta = ("stale", {}) if changed else stage_state(out, s, keys[s], upstream)
@@ -636,6 +638,7 @@ def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfi
         if s == cfg.stop_after and s != stages[-1]:
             print(f"[eyas:run] stop_after={s}: stopping here; run the same command without it to continue", flush=True)
             return record
+    raise_if_terminated()
     record.update(_evaluation(cfg.stage_dir("evaluate")) if "evaluate" in stages else {})
     artifacts.atomic_write_json(run_dir / "summary.json", record)
     print_summary(record)

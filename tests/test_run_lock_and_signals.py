@@ -108,3 +108,26 @@ except Terminated:
 def test_a_sigterm_that_python_would_ignore_in_an_at_fork_hook_still_stops_the_run():
     out = subprocess.run([sys.executable, "-c", AT_FORK], capture_output=True, text=True, timeout=60, check=False)
     assert out.stdout.strip() == "terminated", out.stdout + out.stderr
+
+
+SWALLOWED = """
+import os, signal, time
+from eyas.cli import sigterm_as_interrupt
+from eyas.errors import Terminated, raise_if_terminated
+try:
+    with sigterm_as_interrupt():
+        try:  # a library's `except BaseException` that does not re-raise
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        except BaseException:
+            pass
+        raise_if_terminated()  # the next unit of work
+    print("went on")
+except Terminated:
+    print("terminated")
+"""
+
+
+def test_a_sigterm_a_library_swallows_is_raised_again_before_the_next_unit_of_work():
+    out = subprocess.run([sys.executable, "-c", SWALLOWED], capture_output=True, text=True, timeout=60, check=False)
+    assert out.stdout.strip() == "terminated", out.stdout + out.stderr

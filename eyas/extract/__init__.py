@@ -63,7 +63,7 @@ import torch
 from eyas import artifacts, distributed, vllm_engine
 from eyas.capture import check_layer_ids, default_layer_ids
 from eyas.config import EyasConfig, dump_config, to_dict
-from eyas.errors import ConfigError, DataError, EyasError, exception_message, record_error
+from eyas.errors import ConfigError, DataError, EyasError, exception_message, record_error, raise_if_terminated
 from eyas.extract import plan, store, vllm_backend, vllm_proxy  # vLLM is imported only when an engine starts
 from eyas.extract.backend import HFBackend, Parity, check_parity, default_tolerance
 from eyas.extract.profile import NULL_TIMER, NullTimer
@@ -313,6 +313,7 @@ def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: 
             if ahead is not None:
                 ahead(batches[0], [setup.prepared[i]["input_ids"] for i in batches[0].indices])
             for j, batch in enumerate(batches):
+                raise_if_terminated()
                 tokens = [setup.prepared[i]["input_ids"] for i in batch.indices]
                 if ahead is not None and j + 1 < len(batches):
                     ahead(batches[j + 1], [setup.prepared[i]["input_ids"] for i in batches[j + 1].indices])

@@ -36,7 +36,7 @@ from typing import Any
 from eyas import artifacts
 from eyas.chat import REASONING, Conversation, load_conversations
 from eyas.config import EyasConfig, dump_config, to_dict
-from eyas.errors import EyasError
+from eyas.errors import EyasError, raise_if_terminated
 from eyas.regenerate.backends import HFBackend, ServerBackend
 from eyas.regenerate.self_prompts import SELF_PROMPTS, read_self_prompts, self_conversations
 from eyas.target import describe_target, load_tokenizer
@@ -167,6 +167,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", dynamic_ncols=True)
     per_batch, skipped = 0.0, 0
     for b in range(0, len(todo), rc.chunk_conversations):
+        raise_if_terminated()
         ahead = len(todo[b : b + rc.chunk_conversations])
         if b and out_of_time(time.perf_counter() - t0, per_batch, ahead, rc):  # a run always makes progress
             skipped = len(todo) - b

@@ -21,7 +21,7 @@ from eyas.artifacts import atomic_write_text, hash_json
 from eyas.config import TrainConfig
 from eyas.distributed import all_reduce_sum, rank0_flag
 from eyas.draft import DraftConfig, Eagle3Draft
-from eyas.errors import ArtifactError, EyasError, exception_message, record_error
+from eyas.errors import ArtifactError, EyasError, exception_message, raise_if_terminated, record_error
 from eyas.train import checkpoint
 from eyas.train.data import Batch, batch_loader, epoch_batches
 from eyas.train.loss import acceptance_length, chain_length, step_terms, step_weights, teacher_targets, weighted_loss
@@ -478,6 +478,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     tr.model.train()
     windows = Lookahead(tr, micro_batches(tr, sched, source, start, pad_multiple, num_workers), start)
     for step, epoch, batches in windows:
+        raise_if_terminated()
         try:
             out_s = train_step(tr, batches, step, before_sync=windows.launch_next)
         except BaseException as e:  # errors.jsonl names the step and this rank's samples (train/__init__.py)
