@@ -105,9 +105,13 @@ except Terminated:
 """
 
 
+def _said_by(script: str) -> str:
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
+    return out.stdout.strip() or out.stderr
+
+
 def test_a_sigterm_that_python_would_ignore_in_an_at_fork_hook_still_stops_the_run():
-    out = subprocess.run([sys.executable, "-c", AT_FORK], capture_output=True, text=True, timeout=60, check=False)
-    assert out.stdout.strip() == "terminated", out.stdout + out.stderr
+    assert _said_by(AT_FORK) == "terminated"
 
 
 SWALLOWED = """
@@ -129,5 +133,4 @@ except Terminated:
 
 
 def test_a_sigterm_a_library_swallows_is_raised_again_before_the_next_unit_of_work():
-    out = subprocess.run([sys.executable, "-c", SWALLOWED], capture_output=True, text=True, timeout=60, check=False)
-    assert out.stdout.strip() == "terminated", out.stdout + out.stderr
+    assert _said_by(SWALLOWED) == "terminated"
