@@ -132,7 +132,7 @@ def changed_fields(section) -> dict[str, Any]:
 
 
 KEY_SCHEME = "v3"
-"""Run keys carry the scheme they were made by; a stage directory whose key is of another scheme
+"""Run keys name the scheme they were made by; a stage directory whose key is of another scheme
 (an earlier eyas) is never removed as "made with other settings": it may hold a training."""
 MARKER = "run_key.txt"
 INPUTS_CHANGED = "its inputs changed: an earlier stage ran again"

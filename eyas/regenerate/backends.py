@@ -339,7 +339,7 @@ class ServerBackend:
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """A redirect is an error (HTTPError 30x): urllib would carry the Authorization header to another host."""
+    """A redirect is an error (HTTPError 30x): urllib would send the Authorization header on to another host."""
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         return None
