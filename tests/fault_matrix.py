@@ -14,6 +14,11 @@ and index, train's final draft and checkpoints, the exports, evaluate's results)
 prepare's pool and in train's loader; a stalled and a dead chat server under regenerate's server
 backend (a real HTTP server around the tiny model, tests/regenerate/chat_server.py).
 
+Beside those, case cells (tests/fault_cases/): a situation a user meets outside a crash (two stages'
+directories overlapping, a changed setting on resume, a server answering HTML, a bad byte in the
+data, ...), set up and judged by its own check; families data_loss, provenance, server, input and
+large_target, one module each.
+
 Run a seeded sample in the suite (tests/test_fault_matrix.py) or every cell:
     python bench/fault_matrix.py            # -> the table in docs/benchmarks.md
 """
@@ -29,9 +34,9 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 STAGES = ("regenerate", "prepare", "extract", "train", "export", "evaluate")
 DAMAGED = (  # (stage, file under RUN_DIR, fault)
@@ -61,12 +66,34 @@ class Cell:
         return f"{self.stage}-{self.fault}" + (f"-{where.replace('/', '.')}" if self.file else "")
 
 
-def cells() -> list[Cell]:
-    out = [Cell(s, f) for f in ("kill9", "sigterm", "disk_full") for s in STAGES]
+@dataclass(frozen=True)
+class Case:
+    """A case cell: `check(matrix, work, rng)` sets up its situation under `work` (a finished run to
+    start from: `matrix.finished_run(work)`), runs eyas and judges what it did -> (held, what
+    happened). `family` (data_loss | provenance | server | input | large_target) is its fault."""
+
+    family: str
+    label: str
+    check: Callable[..., tuple[bool, str]] = field(compare=False, repr=False)
+    stage: str = ""
+
+    @property
+    def fault(self) -> str:
+        return self.family
+
+    @property
+    def name(self) -> str:  # e.g. data_loss-export-into-train
+        return f"{self.family}-{self.label}"
+
+
+def cells() -> list[Cell | Case]:
+    from tests.fault_cases import all_cases
+
+    out: list[Cell | Case] = [Cell(s, f) for f in ("kill9", "sigterm", "disk_full") for s in STAGES]
     out += [Cell(s, f, file) for s, file, f in DAMAGED]
     out += [Cell("prepare", "dead_worker"), Cell("train", "dead_worker")]
     out += [Cell("regenerate", "stalled_server"), Cell("regenerate", "dead_server")]
-    return out
+    return out + all_cases()
 
 
 @dataclass
@@ -113,6 +140,7 @@ class Matrix:
             save_tiny("llama", self.target, smollm2_dir)
         self.chats = write_synthetic_chats(self.root / "chats.jsonl", 48, max_words=60)
         self.references: dict[str, tuple[dict[str, Any], dict[str, float]]] = {}
+        self.reference_dirs: dict[str, Path] = {}
 
     def args(self, run: Path, *extra: str) -> list[str]:
         return [self.python, "-m", "eyas", "run", f"--run_dir={run}", f"--target.model={self.target}",
@@ -133,7 +161,8 @@ class Matrix:
             assert proc.returncode == 0, (run.parent / f"{run.name}.log").read_text()[-4000:]
             summary = json.loads((run / "summary.json").read_text())
             self.references[key] = fingerprint(run), {s: r["wall_s"] for s, r in summary["stages"].items()}
-            self.reference_dir = run
+            self.reference_dirs[key] = run
+        self.reference_dir = self.reference_dirs[key]
         return self.references[key]
 
     def _run(self, args: list[str], log: Path, timeout: float = 600, limit: int = 0) -> subprocess.CompletedProcess:
@@ -144,9 +173,47 @@ class Matrix:
             return subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, env=_env(), timeout=timeout, check=False,
                                   start_new_session=True, preexec_fn=fsize if limit else None)
 
-    def run_cell(self, cell: Cell, seed: int) -> Outcome:
+    def finished_run(self, work: Path, name: str = "run", *extra: str) -> Path:
+        """A copy, under `work`, of the uninterrupted run with `extra` (every stage done): what a
+        case cell starts from. (Its run keys and records are the reference's own; the copy's
+        absolute paths are its own: run again under another --run_dir, the stages from prepare on,
+        which read regenerate's conversations by path, are out of date.)"""
+        import shutil
+
+        self.reference(*extra)
+        run = work / name
+        shutil.copytree(self.reference_dir, run, symlinks=True)
+        return run
+
+    def eyas(self, args: list[str], log: Path, timeout: float = 600, env: dict[str, str] | None = None,
+             limit: int = 0) -> tuple[int, str]:
+        """`python -m eyas ARGS` (any command) -> (exit status, everything it printed)."""
+        def fsize():
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+        with open(log, "w") as f:
+            proc = subprocess.run([self.python, "-m", "eyas", *args], stdout=f, stderr=subprocess.STDOUT,
+                                  env=env or _env(), timeout=timeout, check=False, start_new_session=True,
+                                  preexec_fn=fsize if limit else None)
+        return proc.returncode, log.read_text(errors="replace")
+
+    def run_args(self, run: Path, *extra: str) -> list[str]:
+        """`eyas run`'s arguments of the reference run (without `python -m eyas`), for `eyas`."""
+        return self.args(run, *extra)[3:]
+
+    def run_cell(self, cell: Cell | Case, seed: int) -> Outcome:
         t0 = time.perf_counter()
         work = self.root / f"cell-{cell.name}-{seed}"
+        if isinstance(cell, Case):
+            work.mkdir(parents=True, exist_ok=True)
+            try:
+                held, detail = cell.check(self, work, random.Random(f"{seed}-{cell.name}"))
+                return Outcome(held, "held" if held else "not held", detail, time.perf_counter() - t0)
+            except Exception as e:  # a cell whose set-up itself broke: not held, said why
+                import traceback
+
+                return Outcome(False, f"cell error: {type(e).__name__}", "".join(
+                    traceback.format_exception(e))[-800:], time.perf_counter() - t0)
         run, rng = work / "run", random.Random(f"{seed}-{cell.name}")
         work.mkdir(parents=True, exist_ok=True)
         extra: tuple[str, ...] = ()

@@ -1,7 +1,8 @@
 """A seeded sample of the fault matrix (tests/fault_matrix.py): each sampled cell holds, i.e. after
 its fault the same `eyas run` command completes with every stage's output bit-identical to an
 uninterrupted run, or stops naming the file and what to run. EYAS_FAULT_SEED picks the sample
-(default 0), EYAS_FAULT_CELLS how many (default 3: a signal, a damaged file, a resource fault);
+(default 0), EYAS_FAULT_CELLS how many (default 6: a signal, a damaged file, a resource fault, and
+case cells (tests/fault_cases/) of data loss, provenance and a misbehaving server);
 `python bench/fault_matrix.py` runs them all."""
 
 from __future__ import annotations
@@ -14,18 +15,24 @@ import pytest
 from tests.fault_matrix import Matrix, cells
 
 SEED = int(os.environ.get("EYAS_FAULT_SEED", "0"))
-FAMILIES = (("kill9", "sigterm"), ("torn", "flip"), ("disk_full", "dead_worker", "stalled_server", "dead_server"))
-"""The sample takes its cells from these families in turn: a signal, a damaged file, a resource."""
+FAMILIES = (("kill9", "sigterm"), ("torn", "flip"), ("disk_full", "dead_worker", "stalled_server", "dead_server"),
+            ("data_loss",), ("provenance",), ("server",))
+"""The sample takes its cells from these families in turn: a signal, a damaged file, a resource, a
+case of data loss, of provenance and of a misbehaving server."""
 
 
 def sample(seed: int, n: int) -> list:
     rng = random.Random(seed)
-    pools = [[c for c in cells() if c.fault in family] for family in FAMILIES]
-    picked = [pools[i % len(pools)].pop(rng.randrange(len(pools[i % len(pools)]))) for i in range(n)]
+    pools = [pool for pool in ([c for c in cells() if c.fault in family] for family in FAMILIES) if pool]
+    picked = []
+    for i in range(n):
+        pool = pools[i % len(pools)]
+        if pool:
+            picked.append(pool.pop(rng.randrange(len(pool))))
     return sorted(picked, key=lambda c: c.name)
 
 
-SAMPLE = sample(SEED, int(os.environ.get("EYAS_FAULT_CELLS", "3")))
+SAMPLE = sample(SEED, int(os.environ.get("EYAS_FAULT_CELLS", "6")))
 
 
 @pytest.fixture(scope="module")
