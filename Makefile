@@ -30,7 +30,7 @@ vllm-venv:
 
 # the whole suite, as CI runs it
 test: setup vllm-venv
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs --durations=25
 
 # without the tests marked slow or vllm (no vLLM venv needed)
 test-fast: setup
