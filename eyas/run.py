@@ -42,7 +42,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from eyas import artifacts
+from eyas import artifacts, claims
 from eyas.config import RESUMABLE, STAGES, EyasConfig, to_dict
 from eyas.errors import (ArtifactError, ConfigError, DamagedArtifact, EyasError, describe_exception,
                          raise_if_terminated)
@@ -134,35 +134,29 @@ def changed_fields(section) -> dict[str, Any]:
 KEY_SCHEME = "v3"
 """Run keys name the scheme they were made by; a stage directory whose key is of another scheme
 (an earlier eyas) is never removed as "made with other settings": it may hold a training."""
-MARKER = "run_key.txt"
+MARKER = claims.MARKER
 INPUTS_CHANGED = "its inputs changed: an earlier stage ran again"
 
 
 def claim_stage_dir(stage: str, out: Path, key: str, fresh: bool = False,
-                    why_fresh: str = INPUTS_CHANGED) -> bool:
+                    why_fresh: str = INPUTS_CHANGED, run_dir: Path | None = None) -> bool:
     """Make `out` ready for a run of `stage` with `key`; True when an interrupted or partial run
     with the same key is there to resume. A complete or partial output made by `eyas run` with
     other settings, or (`fresh`) from inputs that have changed since, is removed; a non-empty
-    directory `eyas run` did not make, or made with another KEY_SCHEME, is never touched."""
-    marker = out / MARKER
-    if out.exists() and any(out.iterdir()):
-        if not marker.is_file():
-            raise EyasError(
-                f"{out} is not empty and was not made by `eyas run`: remove it or point --{stage}.out_dir elsewhere"
-            )
-        stored = marker.read_text().strip()
-        if not stored.startswith(f"{KEY_SCHEME}:"):
-            raise EyasError(f"{out} was made by an earlier eyas, whose run keys this one cannot compare: nothing is "
-                            f"removed; delete it yourself to run {stage} again there, or point --{stage}.out_dir (or "
-                            "--run_dir) elsewhere")
-        same = stored == key
+    directory `eyas run` did not make, made with another KEY_SCHEME, or (given `run_dir`, the run
+    claiming it) made by another run with other settings, is never touched (eyas.claims)."""
+    claims.lock_also(out)  # held until the run ends (eyas.claims.dir_locks)
+    if not claims.is_empty(out):
+        marker = claims.read_marker(out)
+        claims.refuse_foreign(stage, out, key if marker and marker["key"] == key and not fresh else "", run_dir)
+        same = marker["key"] == key
         if same and not fresh:
             return True
         why = why_fresh if same else "made with other settings"
         print(f"[eyas:run] {stage}: removing {out} ({why})", flush=True)
-        shutil.rmtree(out)
+        claims.clear(out)
     out.mkdir(parents=True, exist_ok=True)
-    artifacts.atomic_write_text(marker, key)
+    artifacts.atomic_write_text(out / MARKER, claims.marker_text(key, run_dir, stage, out))
     return False
 
 
@@ -520,6 +514,7 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
                           f"{', '.join(stages)}; regenerate needs regenerate.enabled, extract train.mode=offline)")
     keys = run_keys(configs, stages)
     cfg = configs[stages[-1]]
+    claims.check_run(cfg, stages, keys)  # overlapping stage directories, another run's or a foreign one
     for stage, key in INPUTS_OUTSIDE:  # a stage that runs replaces its directory, and an input there with it
         given = getattr(getattr(cfg, stage), key)
         if stage in stages and given and Path(given).resolve().is_relative_to(cfg.stage_dir(stage).resolve()):
@@ -527,21 +522,22 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
                               f"{cfg.stage_dir(stage).resolve()}, which the {stage} stage replaces when it runs: copy "
                               f"it elsewhere first, or give a new --run_dir")
     preflight(cfg, stages[: stages.index(cfg.stop_after) + 1] if cfg.stop_after else stages)
-    print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
-    (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end or on failure
-    record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
-    # the hash of the previous stage's meta.json as this run leaves it; the first stage's input is
-    # the data file itself, so an edited file (same path) re-runs it
-    upstream = source_fingerprint(configs[stages[0]].prepare.data)
-    current: list[Any] = [stages[0], time.perf_counter(), time.time()]  # the stage in hand, for an interruption
-    try:
-        return _stages(cfg, run_dir, runner, configs, stages, keys, upstream, record, current)
-    except BaseException as e:  # Ctrl-C or SIGTERM between a stage's own steps (its meta, the plots): said too
-        if not getattr(e, RECORDED, False):
-            stage = current[0]
-            _record_failure(cfg, run_dir, record, stage, cfg.stage_dir(stage), e, time.perf_counter() - current[1],
-                            current[2])
-        raise
+    with claims.dir_locks(claims.written_dirs("run", cfg, stages), "run"):  # every directory this run writes
+        print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
+        (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end or on failure
+        record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
+        # the hash of the previous stage's meta.json as this run leaves it; the first stage's input is
+        # the data file itself, so an edited file (same path) re-runs it
+        upstream = source_fingerprint(configs[stages[0]].prepare.data)
+        current: list[Any] = [stages[0], time.perf_counter(), time.time()]  # the stage in hand, for an interruption
+        try:
+            return _stages(cfg, run_dir, runner, configs, stages, keys, upstream, record, current)
+        except BaseException as e:  # Ctrl-C or SIGTERM between a stage's own steps (its meta, the plots): said too
+            if not getattr(e, RECORDED, False):
+                stage = current[0]
+                _record_failure(cfg, run_dir, record, stage, cfg.stage_dir(stage), e, time.perf_counter() - current[1],
+                                current[2])
+            raise
 
 
 def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfig], stages: list[str],
@@ -588,7 +584,7 @@ def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfi
         resuming = claim_stage_dir(s, out, keys[s], fresh=changed or state == "inputs" or (repair is not None and s not in RESUMED_REPAIR),
                                    why_fresh="its output is damaged" if repair is not None else (
             f"its inputs changed: {configs[s].prepare.data} is not the file it was made from" if edited
-            else INPUTS_CHANGED))
+            else INPUTS_CHANGED), run_dir=run_dir)
         changed = True
         print(f"[eyas:run] {s}: {'resuming' if resuming else 'running'} -> {out}", flush=True)
         stage_cfg = configs[s]
