@@ -63,6 +63,27 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
+NO_FOLLOW_MODES = {"a": os.O_WRONLY | os.O_APPEND | os.O_CREAT, "ab": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                   "r+b": os.O_RDWR}
+
+
+def open_no_follow(path: str | Path, mode: str, fix: str = "point the stage's out_dir elsewhere"):
+    """open(path, mode) for appending to or cutting a file eyas writes in place ("a", "ab", "r+b"),
+    refused when `path` is a symbolic link: eyas makes none, so one there would send its writes
+    (or a truncation) to a file outside its directory. `fix` says what to change."""
+    import errno
+
+    try:
+        fd = os.open(path, NO_FOLLOW_MODES[mode] | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise ArtifactError(f"{path} is a symbolic link (to {os.readlink(path)}), which eyas did not make: it never "
+                            f"writes through one. Nothing was written; remove the link (what it points to stays) or "
+                            f"{fix}") from None
+    return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+
+
 def atomic_save_safetensors(tensors: dict[str, Any], path: str | Path) -> None:
     """safetensors.torch.save_file through a temp file, fsync and rename: the file is whole or absent."""
     from safetensors.torch import save_file
