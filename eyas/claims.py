@@ -61,17 +61,15 @@ def check_overlaps(cfg: EyasConfig, stages: list[str]) -> None:
             raise ConfigError(f"{setting(cfg, a)} {overlap(dirs[a], run_dir)} the run directory --run_dir={cfg.run_dir}, "
                               f"whose run.log, summary.json and other stages the {a} stage would replace: give it a "
                               f"directory of its own (e.g. --{a}.out_dir={run_dir / a})")
-    for a in stages:
-        for b in STAGES:
-            how = overlap(dirs[a], dirs[b]) if b != a else ""
-            if not how:
-                continue
-            if not getattr(cfg, a).out_dir and getattr(cfg, b).out_dir:  # the setting given first
-                a, b, how = b, a, overlap(dirs[b], dirs[a])
-            given = [f"--{x}.out_dir" for x in (a, b) if getattr(cfg, x).out_dir]
-            raise ConfigError(f"{setting(cfg, a)} {how} {setting(cfg, b)}: each stage replaces its own output directory "
-                              f"when it runs, so the {a} stage and the {b} stage would delete each other's output. Give "
-                              f"each a directory of its own: change {' or '.join(given)}")
+    pairs = [(a, b) for a in stages for b in STAGES if b != a and overlap(dirs[a], dirs[b])]
+    if pairs:
+        a, b = pairs[0]
+        if not getattr(cfg, a).out_dir:  # the setting given first (one of the two is given)
+            a, b = b, a
+        given = [f"--{x}.out_dir" for x in (a, b) if getattr(cfg, x).out_dir]
+        raise ConfigError(f"{setting(cfg, a)} {overlap(dirs[a], dirs[b])} {setting(cfg, b)}: each stage replaces its "
+                          f"own output directory when it runs, so the {a} stage and the {b} stage would delete each "
+                          f"other's output. Give each a directory of its own: change {' or '.join(given)}")
 
 
 def read_marker(out: Path) -> dict[str, str] | None:
@@ -160,9 +158,9 @@ def check_alone(command: str, cfg: EyasConfig) -> None:
         meta_stage = None
     other = next((s for s in (marker.get("stage"), meta_stage) if s and s != command), None)
     if other:
-        raise EyasError(f"{out} holds the output of the {other} stage ({'run_key.txt' if marker.get('stage') == other else 'meta.json'} "
-                        f"says so), which `eyas {command}` would overwrite: nothing is written; point --{command}.out_dir "
-                        "elsewhere")
+        record = "run_key.txt" if marker.get("stage") == other else "meta.json"
+        raise EyasError(f"{out} holds the output of the {other} stage ({record} says so), which `eyas {command}` "
+                        f"would overwrite: nothing is written; point --{command}.out_dir elsewhere")
 
 
 def recorded_key(out: Path) -> str | None:
@@ -201,10 +199,9 @@ _HELD: list[contextlib.ExitStack] = []
 
 @contextlib.contextmanager
 def dir_locks(dirs: list[Path], command: str, make: bool = False) -> Iterator[None]:
-    """Hold the lock of each directory in `dirs` that exists, or (`make`) of each, made if missing
-    (artifacts.run_dir_lock: DIR/.eyas.lock),
-    and of each one `lock_also` adds, until the block ends; one another eyas command holds stops
-    this one, naming the holder. (A directory not there yet is locked when a stage makes it, so a
+    """Hold the lock (artifacts.run_dir_lock: DIR/.eyas.lock) of each directory in `dirs` that exists,
+    or (`make`) of each, made if missing, and of each one `lock_also` adds, until the block ends;
+    one another eyas command holds stops this one, naming the holder. (A directory not there yet is locked when a stage makes it, so a
     run refused or stopped before a stage leaves no directory of it behind.) Not on ranks > 0 under
     torchrun: rank 0 holds them for the command."""
     with contextlib.ExitStack() as stack:
