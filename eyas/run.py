@@ -412,7 +412,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
 def teed(path: Path):
     """Everything printed to stdout and stderr inside also goes to `path` (appended)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as log:
+    with artifacts.open_no_follow(path, "a", "give another --run_dir") as log:
         out, err = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = Tee(out, log), Tee(err, log)
         try:

@@ -133,3 +133,16 @@ def test_a_stage_directory_outside_any_run_directory_is_locked_too(tmp_path, cap
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
+
+
+def test_the_run_log_is_never_written_through_a_symlink(tmp_path, capsys):
+    """RUN_DIR/run.log as a symbolic link to a file elsewhere (eyas makes none): refused naming the
+    link, before anything is appended to what it points to."""
+    run, victim = tmp_path / "run", tmp_path / "someone-elses.txt"
+    run.mkdir()
+    victim.write_text("kept")
+    (run / "run.log").symlink_to(victim)
+    chats = write_synthetic_chats(tmp_path / "chats.jsonl", 2)
+    assert cli(["run", f"--run_dir={run}", f"--prepare.data={chats}", "--target.model=/nonexistent/target"]) == 2
+    assert f"{run / 'run.log'} is a symbolic link (to {victim})" in capsys.readouterr().err
+    assert victim.read_text() == "kept"
