@@ -141,6 +141,9 @@ def check_run(cfg: EyasConfig, stages: list[str], keys: dict[str, str]) -> None:
     end = stages.index(cfg.stop_after) + 1 if cfg.stop_after in stages else len(stages)
     for s in stages[:end]:
         out = cfg.stage_dir(s)
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"{setting(cfg, s)}: {out} is a file, not a directory; nothing is removed: point "
+                              f"--{s}.out_dir at a directory")
         if not is_empty(out) and recorded_key(out) != keys[s]:
             refuse_foreign(s, out, keys[s], Path(cfg.run_dir))
 

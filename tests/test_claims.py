@@ -65,6 +65,8 @@ def test_every_stage_out_dir_on_another_stages_or_a_foreign_folder_is_refused_be
         err = capsys.readouterr().err
         assert f"{foreign} is not empty and was not made by `eyas run`: nothing is removed" in err
         assert f"--{a}.out_dir elsewhere" in err
+        assert cli([*base, f"--{a}.out_dir={foreign / 'sub' / 'thesis.tex'}"]) == 2  # a file
+        assert "is a file, not a directory" in capsys.readouterr().err
         for b in STAGES:  # a stage run alone into another stage's directory
             if b != a:
                 assert cli([a, f"--run_dir={run}", f"--{a}.out_dir={run / b}", "--target.model=/nonexistent/target",
