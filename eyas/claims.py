@@ -149,8 +149,10 @@ def check_run(cfg: EyasConfig, stages: list[str], keys: dict[str, str]) -> None:
 
 
 def check_alone(command: str, cfg: EyasConfig) -> None:
-    """A stage run alone (`eyas extract`, ...): EyasError when its output directory holds another
-    stage's output (its meta.json or run_key.txt says so), which its own files would overwrite."""
+    """A stage run alone (`eyas extract`, ...), before it locks its output directory: EyasError when
+    that directory holds another stage's output (its meta.json or run_key.txt says so), or is not
+    empty and no eyas command wrote there (none of those, nor the lock every command leaves in the
+    directories it writes): its own files would overwrite what is there."""
     if command not in STAGES:
         return
     out = cfg.stage_dir(command)
@@ -164,6 +166,11 @@ def check_alone(command: str, cfg: EyasConfig) -> None:
         record = "run_key.txt" if marker.get("stage") == other else "meta.json"
         raise EyasError(f"{out} holds the output of the {other} stage ({record} says so), which `eyas {command}` "
                         f"would overwrite: nothing is written; point --{command}.out_dir elsewhere")
+    if command == "export" or is_empty(out) or marker or meta_stage == command or (out / LOCK_FILE).exists():
+        return  # (export checks each file in its way against its own records)
+    raise EyasError(f"{out} is not empty and holds no record of an eyas command (no {command} meta.json, {MARKER} or "
+                    f"{LOCK_FILE}): `eyas {command}` would write over what is there (its meta.json, config.yaml, ...). "
+                    f"Nothing is written; point --{command}.out_dir at a new or empty directory")
 
 
 def recorded_key(out: Path) -> str | None:

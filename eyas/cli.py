@@ -177,11 +177,11 @@ def main(argv: list[str] | None = None) -> int:
         from eyas.artifacts import run_dir_lock
         from eyas.claims import check_alone, dir_locks, written_dirs
 
-        check_alone(command, cfg)  # a stage run alone into another stage's directory
         locked = _locked_dir(command, cfg)
-        with sigterm_as_interrupt(), run_dir_lock(locked, command) if locked else contextlib.nullcontext(), \
-                dir_locks(written_dirs(command, cfg), command, make=True):
-            result = importlib.import_module(f"eyas.{command}").main(cfg)
+        with sigterm_as_interrupt(), run_dir_lock(locked, command) if locked else contextlib.nullcontext():
+            check_alone(command, cfg)  # a stage run alone into another stage's directory, or a foreign one
+            with dir_locks(written_dirs(command, cfg), command, make=True):
+                result = importlib.import_module(f"eyas.{command}").main(cfg)
         return int(result) if isinstance(result, int) else 0
     except EyasError as e:
         print(f"eyas {command}: error: {exception_message(e)}{_disk_hint(e)}", file=sys.stderr)

@@ -5,7 +5,9 @@
 
 (Export is a few seconds of CPU work; it never runs under torchrun.)
 
-Output: OUT/sglang/ and/or OUT/speculators/, each config.json + model.safetensors, and OUT/meta.json.
+Output: OUT/sglang/ and/or OUT/speculators/, each config.json + model.safetensors, and OUT/meta.json. Export
+removes or overwrites only files its own records there name (`claim_out_dir`): anything else in
+its way is an error naming it.
 
     vllm serve OUT/speculators                          # vLLM finds the verifier in the config
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "OUT/sglang", "num_speculative_tokens": 3}'
@@ -257,7 +259,7 @@ def recorded_files(out: Path) -> set[str]:
 def is_own(rel: str, own: set[str]) -> bool:
     """A recorded file, or the temporary file eyas writes it through (NAME.tmp, NAME.tmp-XXXX)."""
     base, _, tail = rel.rpartition(".tmp")
-    return rel in own or (bool(tail == "" or tail.startswith("-")) and base in own and rel != base)
+    return rel in own or (base in own and (tail == "" or tail.startswith("-")))
 
 
 def in_the_way(out: Path, own: set[str]) -> list[Path]:

@@ -1,6 +1,7 @@
 """eyas.claims: what `eyas run` may replace. Every stage's output directory set to each other
 stage's (the same path, inside it, around it), to the run directory and to a foreign non-empty
-folder is refused before any stage runs (no target is needed to get there), naming both settings;
+folder is refused before any stage runs (no target is needed to get there), naming both settings,
+by `eyas run` and by the stage run alone;
 a stage directory another run made with other settings is never removed; each directory a
 command writes is locked, not only the run directory."""
 
@@ -72,8 +73,11 @@ def test_every_stage_out_dir_on_another_stages_or_a_foreign_folder_is_refused_be
                 assert cli([a, f"--run_dir={run}", f"--{a}.out_dir={run / b}", "--target.model=/nonexistent/target",
                             f"--export.train_dir={run / 'train'}"]) == 2
                 assert f"{run / b} holds the output of the {b} stage" in capsys.readouterr().err
+        if a != "export":  # (export checks each file in its way: tests/test_export.py)
+            assert cli([a, f"--run_dir={run}", f"--{a}.out_dir={foreign}", "--target.model=/nonexistent/target"]) == 2
+            assert f"{foreign} is not empty and holds no record of an eyas command" in capsys.readouterr().err
     assert (snapshot(run), snapshot(foreign)) == before
-    assert not moved.exists()
+    assert not moved.exists() and not (foreign / ".eyas.lock").exists()
 
 
 def test_a_run_never_removes_a_stage_directory_another_run_made(tmp_path, capsys):
