@@ -136,7 +136,8 @@ def refuse_foreign(stage: str, out: Path, key: str, run_dir: Path | None) -> Non
 def check_run(cfg: EyasConfig, stages: list[str], keys: dict[str, str]) -> None:
     """`eyas run`, before any stage: overlapping stage directories, and a stage directory that the
     stage could not replace when it runs (`refuse_foreign`); a directory it will skip (its meta.json
-    carries this run's key) is left alone."""
+    carries this run's key) is left alone. Then locks the stage directories that exist (inside the
+    run's `dir_locks`)."""
     check_overlaps(cfg, stages)
     end = stages.index(cfg.stop_after) + 1 if cfg.stop_after in stages else len(stages)
     for s in stages[:end]:
@@ -146,6 +147,8 @@ def check_run(cfg: EyasConfig, stages: list[str], keys: dict[str, str]) -> None:
                               f"--{s}.out_dir at a directory")
         if not is_empty(out) and recorded_key(out) != keys[s]:
             refuse_foreign(s, out, keys[s], Path(cfg.run_dir))
+    for out in sorted({d.resolve() for d in written_dirs("run", cfg, stages) if d.is_dir()}):
+        lock_also(out)  # the stage directories there already, for the rest of the run (the others as they are made)
 
 
 def check_alone(command: str, cfg: EyasConfig) -> None:

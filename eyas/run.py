@@ -34,7 +34,6 @@ import importlib
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -425,7 +424,7 @@ def _main(cfg: EyasConfig, runner, banner: str = "") -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     from eyas import vllm_engine
 
-    with teed(run_dir / "run.log"), vllm_engine.chained_stages():
+    with teed(run_dir / "run.log"), vllm_engine.chained_stages(), claims.dir_locks([], "run"):  # stage dirs: _run
         if banner:
             print(banner, flush=True)
         return _run(cfg, run_dir, runner)
@@ -522,22 +521,21 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
                               f"{cfg.stage_dir(stage).resolve()}, which the {stage} stage replaces when it runs: copy "
                               f"it elsewhere first, or give a new --run_dir")
     preflight(cfg, stages[: stages.index(cfg.stop_after) + 1] if cfg.stop_after else stages)
-    with claims.dir_locks(claims.written_dirs("run", cfg, stages), "run"):  # every directory this run writes
-        print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
-        (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end or on failure
-        record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
-        # the hash of the previous stage's meta.json as this run leaves it; the first stage's input is
-        # the data file itself, so an edited file (same path) re-runs it
-        upstream = source_fingerprint(configs[stages[0]].prepare.data)
-        current: list[Any] = [stages[0], time.perf_counter(), time.time()]  # the stage in hand, for an interruption
-        try:
-            return _stages(cfg, run_dir, runner, configs, stages, keys, upstream, record, current)
-        except BaseException as e:  # Ctrl-C or SIGTERM between a stage's own steps (its meta, the plots): said too
-            if not getattr(e, RECORDED, False):
-                stage = current[0]
-                _record_failure(cfg, run_dir, record, stage, cfg.stage_dir(stage), e, time.perf_counter() - current[1],
-                                current[2])
-            raise
+    print(f"[eyas:run] {run_dir}: stages {' -> '.join(stages)}", flush=True)
+    (run_dir / "summary.json").unlink(missing_ok=True)  # an earlier run's: this run writes its own at the end or on failure
+    record: dict[str, Any] = {"run_dir": str(run_dir), "stages": {}}
+    # the hash of the previous stage's meta.json as this run leaves it; the first stage's input is
+    # the data file itself, so an edited file (same path) re-runs it
+    upstream = source_fingerprint(configs[stages[0]].prepare.data)
+    current: list[Any] = [stages[0], time.perf_counter(), time.time()]  # the stage in hand, for an interruption
+    try:
+        return _stages(cfg, run_dir, runner, configs, stages, keys, upstream, record, current)
+    except BaseException as e:  # Ctrl-C or SIGTERM between a stage's own steps (its meta, the plots): said too
+        if not getattr(e, RECORDED, False):
+            stage = current[0]
+            _record_failure(cfg, run_dir, record, stage, cfg.stage_dir(stage), e, time.perf_counter() - current[1],
+                            current[2])
+        raise
 
 
 def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfig], stages: list[str],
