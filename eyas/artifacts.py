@@ -63,6 +63,27 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         raise
 
 
+NO_FOLLOW_MODES = {"a": os.O_WRONLY | os.O_APPEND | os.O_CREAT, "ab": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                   "r+b": os.O_RDWR}
+
+
+def open_no_follow(path: str | Path, mode: str, fix: str = "point the stage's out_dir elsewhere"):
+    """open(path, mode) for appending to or cutting a file eyas writes in place ("a", "ab", "r+b"),
+    refused when `path` is a symbolic link: eyas makes none, so one there would send its writes
+    (or a truncation) to a file outside its directory. `fix` says what to change."""
+    import errno
+
+    try:
+        fd = os.open(path, NO_FOLLOW_MODES[mode] | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise ArtifactError(f"{path} is a symbolic link (to {os.readlink(path)}), which eyas did not make: it never "
+                            f"writes through one. Nothing was written; remove the link (what it points to stays) or "
+                            f"{fix}") from None
+    return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+
+
 def atomic_save_safetensors(tensors: dict[str, Any], path: str | Path) -> None:
     """safetensors.torch.save_file through a temp file, fsync and rename: the file is whole or absent."""
     from safetensors.torch import save_file
@@ -152,58 +173,62 @@ def read_safetensors(path: str | Path, stage: str, hint: str = "") -> dict[str, 
 
 LOCK_FILE = ".eyas.lock"
 LOCK_HELD = "EYAS_RUN_DIR_LOCKED"
-"""Set for a child process that runs inside its parent's lock (`eyas run` apart from the ranks)."""
+"""Set for a child process that runs inside its parent's locks (`eyas run` apart from the ranks):
+the directories they hold, joined by os.pathsep."""
 
 
 @contextlib.contextmanager
-def run_dir_lock(run_dir: str | Path, command: str):
+def run_dir_lock(run_dir: str | Path, command: str, what: str = "run directory"):
     """Hold RUN_DIR/.eyas.lock (an exclusive flock) while a command writes into the run directory: a
     second eyas command on the same directory stops at once, naming the process that holds it (pid,
     host, command, start), instead of deleting the other's stage outputs. The kernel releases the
     lock when its holder exits, however it exits (kill -9 too): a lock never outlives its process.
     Children that run inside this lock get LOCK_HELD in their environment. flock holds across
-    processes of one host; on a network filesystem it depends on the filesystem."""
+    processes of one host; on a network filesystem it depends on the filesystem. (A stage's
+    output directory is locked the same way: eyas.claims.dir_locks, `what` names it.)"""
     run_dir = Path(run_dir).resolve()
-    if os.environ.get(LOCK_HELD) == str(run_dir):
+    held = [d for d in os.environ.get(LOCK_HELD, "").split(os.pathsep) if d]
+    if str(run_dir) in held:
         yield
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
-    global _LOCK_FD
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise EyasError(f"run directory {run_dir} is in use by another eyas command ({_holder(path)}): two "
-                            "commands in one run directory replace each other's stage outputs. Wait for it to "
-                            f"finish or stop it, or give this one another --run_dir (lock: {path})") from None
+            flag = "--run_dir" if what == "run directory" else "--run_dir or the stage's out_dir"
+            raise EyasError(f"{what} {run_dir} is in use by another eyas command ({_holder(path)}): two "
+                            "commands in one directory replace each other's stage outputs. Wait for it to "
+                            f"finish or stop it, or give this one another {flag} (lock: {path})") from None
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "command": f"eyas {command}",
                   "argv": [redact_urls(a) for a in sys.argv], "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
-        os.environ[LOCK_HELD] = str(run_dir)
-        _LOCK_FD = fd
+        os.environ[LOCK_HELD] = os.pathsep.join([*held, str(run_dir)])
+        _LOCK_FDS.add(fd)
         try:
             yield
         finally:
-            os.environ.pop(LOCK_HELD, None)
-            _LOCK_FD = None
+            os.environ[LOCK_HELD] = os.pathsep.join(held)
+            if not held:
+                os.environ.pop(LOCK_HELD, None)
+            _LOCK_FDS.discard(fd)
     finally:
         os.close(fd)  # releases the flock
 
 
-_LOCK_FD: int | None = None
-"""The run-directory lock this process holds: a forked child (a loader worker) closes its copy, so an
-orphaned child never keeps the lock (the lock lives while any copy of the descriptor is open)."""
+_LOCK_FDS: set[int] = set()
+"""The directory locks this process holds: a forked child (a loader worker) closes its copies, so an
+orphaned child never keeps a lock (a lock lives while any copy of its descriptor is open)."""
 
 
 def _close_lock_in_child() -> None:
-    global _LOCK_FD
-    if _LOCK_FD is not None:
+    for fd in list(_LOCK_FDS):
         with contextlib.suppress(OSError):
-            os.close(_LOCK_FD)
-        _LOCK_FD = None
+            os.close(fd)
+    _LOCK_FDS.clear()
 
 
 os.register_at_fork(after_in_child=_close_lock_in_child)

@@ -115,7 +115,8 @@ def sigterm_as_interrupt():
 
 def _locked_dir(command: str, cfg) -> Path | None:
     """The run directory a command writes into, to lock (artifacts.run_dir_lock): `eyas run`'s, and a
-    stage's whose output lies in it; on rank 0 only under torchrun (the ranks of one command share it)."""
+    stage's whose output lies in it; on rank 0 only under torchrun (the ranks of one command share it).
+    The stage directories themselves are locked too (eyas.claims.dir_locks)."""
     if os.environ.get("RANK", "0") != "0" or command not in ("run", *STAGES):
         return None
     run_dir = Path(cfg.run_dir).resolve()
@@ -174,10 +175,13 @@ def main(argv: list[str] | None = None) -> int:
         import importlib
 
         from eyas.artifacts import run_dir_lock
+        from eyas.claims import check_alone, dir_locks, written_dirs
 
         locked = _locked_dir(command, cfg)
         with sigterm_as_interrupt(), run_dir_lock(locked, command) if locked else contextlib.nullcontext():
-            result = importlib.import_module(f"eyas.{command}").main(cfg)
+            check_alone(command, cfg)  # a stage run alone into another stage's directory, or a foreign one
+            with dir_locks(written_dirs(command, cfg), command, make=True):
+                result = importlib.import_module(f"eyas.{command}").main(cfg)
         return int(result) if isinstance(result, int) else 0
     except EyasError as e:
         print(f"eyas {command}: error: {exception_message(e)}{_disk_hint(e)}", file=sys.stderr)

@@ -5,7 +5,9 @@
 
 (Export is a few seconds of CPU work; it never runs under torchrun.)
 
-Output: OUT/sglang/ and/or OUT/speculators/, each config.json + model.safetensors, and OUT/meta.json.
+Output: OUT/sglang/ and/or OUT/speculators/, each config.json + model.safetensors, and OUT/meta.json. Export
+removes or overwrites only files its own records there name (`claim_out_dir`): anything else in
+its way is an error naming it.
 
     vllm serve OUT/speculators                          # vLLM finds the verifier in the config
     vllm serve TARGET --speculative-config '{"method": "eagle3", "model": "OUT/sglang", "num_speculative_tokens": 3}'
@@ -18,16 +20,18 @@ target), optionally averages it with other drafts (export.average_with), and wri
 
 from __future__ import annotations
 
-import shutil
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from eyas.artifacts import file_record, read_meta, write_meta
+from eyas.artifacts import atomic_write_json, file_record, read_meta, write_meta
+from eyas.config.export import FORMATS
 from eyas.draft import DraftConfig, Eagle3Draft
-from eyas.draft_files import DRAFT_CONFIG, export_draft, find, load_draft, locate, open_draft, sglang_aux_ids, vllm_aux_ids
+from eyas.draft_files import (CONFIG, DRAFT_CONFIG, WEIGHTS, export_draft, find, load_draft, locate, open_draft,
+                              sglang_aux_ids, vllm_aux_ids)
 from eyas.errors import ArtifactError
 
 
@@ -183,11 +187,7 @@ def main(cfg) -> int:
     notes = check_against_stages(c, model.d2t, model.t2d, train_meta, prepare_dir, extract_dir, tcfg, cfg.target.model)
     averaged = average_with(model, e.average_with)
     out = cfg.stage_dir("export")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "meta.json").unlink(missing_ok=True)
-    for fmt in ("sglang", "speculators"):
-        if fmt not in e.formats and (out / fmt).is_dir():
-            shutil.rmtree(out / fmt)  # a stale layout from an earlier --format must not linger
+    claim_out_dir(out, e.formats)
     written = export_draft(
         model,
         out,
@@ -224,6 +224,78 @@ def main(cfg) -> int:
         print(f"[eyas:export] averaged with {a['dir']} (sha256 {a['weights_sha256'][:12]}; "
               f"{a['lm_head_rows_shared']:,} of {c.draft_vocab_size:,} lm_head rows shared)")
     return 0
+
+
+# --- what export may replace in its output directory ---------------------------------------------
+
+LEDGER = ".eyas-export-files.json"
+"""The files export writes in its output directory, recorded before it writes them (meta.json,
+written last, records them again with their sha256): an export cut short still owns its files."""
+LAYOUTS = tuple(f for f in FORMATS if f != "both")
+OWN = ("meta.json", "config.yaml")
+
+
+def layout_files(formats) -> list[str]:
+    return [f"{fmt}/{name}" for fmt in formats for name in (WEIGHTS, CONFIG)]
+
+
+def recorded_files(out: Path) -> set[str]:
+    """The files export's own records in `out` say it wrote: an export meta.json's `files` (and
+    itself and config.yaml), and the ledger."""
+    own: set[str] = set()
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        meta = None
+    if isinstance(meta, dict) and meta.get("stage") == "export":
+        own |= set(meta.get("files") or {}) | set(OWN)
+    try:
+        own |= set(json.loads((out / LEDGER).read_text()))
+    except (OSError, ValueError, TypeError):
+        pass
+    return own
+
+
+def is_own(rel: str, own: set[str]) -> bool:
+    """A recorded file, or the temporary file eyas writes it through (NAME.tmp, NAME.tmp-XXXX)."""
+    base, _, tail = rel.rpartition(".tmp")
+    return rel in own or (base in own and (tail == "" or tail.startswith("-")))
+
+
+def in_the_way(out: Path, own: set[str]) -> list[Path]:
+    """Paths export would overwrite or remove (meta.json, config.yaml, each layout's folder) that its
+    records do not say it wrote; symlinks among them too (eyas makes none)."""
+    bad = [out / rel for rel in OWN if (out / rel).is_symlink() or (out / rel).exists() and not is_own(rel, own)]
+    for fmt in LAYOUTS:
+        p = out / fmt
+        if p.is_symlink() or p.exists() and not p.is_dir():
+            bad.append(p)
+        elif p.is_dir():
+            bad += [f for f in sorted(p.rglob("*")) if (f.is_symlink() or not f.is_dir())
+                    and not is_own(str(f.relative_to(out)), own)]
+    return bad
+
+
+def claim_out_dir(out: Path, formats) -> None:
+    """Make `out` ready for this export: refuse (naming them) the files in the way that export's
+    records do not say it wrote, so a folder of someone else's is never removed or overwritten;
+    record what it is about to write; remove its own layouts that --format no longer asks for."""
+    out.mkdir(parents=True, exist_ok=True)
+    own = recorded_files(out)
+    bad = in_the_way(out, own)
+    if bad:
+        shown = ", ".join(map(str, bad[:3])) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ArtifactError(f"{shown}: in the way of the export to {out}, and not written by `eyas export` (its "
+                            f"records there, meta.json and {LEDGER}, do not name it): nothing is removed or "
+                            "overwritten; move it away, or point --export.out_dir elsewhere")
+    (out / "meta.json").unlink(missing_ok=True)  # incomplete from here until it is written again
+    stale = [rel for rel in sorted(own) if rel.split("/", 1)[0] in LAYOUTS and rel.split("/", 1)[0] not in formats]
+    for rel in stale:  # a layout from an earlier --format must not linger: its files, then its folder if emptied
+        (out / rel).unlink(missing_ok=True)
+    for fmt in LAYOUTS:
+        if fmt not in formats and (out / fmt).is_dir() and not any((out / fmt).iterdir()):
+            (out / fmt).rmdir()
+    atomic_write_json(out / LEDGER, sorted((own - set(stale)) | set(layout_files(formats)) | set(OWN)))
 
 
 def average_with(model: Eagle3Draft, dirs: list[str]) -> list[dict[str, Any]]:

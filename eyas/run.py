@@ -34,7 +34,6 @@ import importlib
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from eyas import artifacts
+from eyas import artifacts, claims
 from eyas.config import RESUMABLE, STAGES, EyasConfig, to_dict
 from eyas.errors import (ArtifactError, ConfigError, DamagedArtifact, EyasError, describe_exception,
                          raise_if_terminated)
@@ -134,35 +133,29 @@ def changed_fields(section) -> dict[str, Any]:
 KEY_SCHEME = "v3"
 """Run keys name the scheme they were made by; a stage directory whose key is of another scheme
 (an earlier eyas) is never removed as "made with other settings": it may hold a training."""
-MARKER = "run_key.txt"
+MARKER = claims.MARKER
 INPUTS_CHANGED = "its inputs changed: an earlier stage ran again"
 
 
 def claim_stage_dir(stage: str, out: Path, key: str, fresh: bool = False,
-                    why_fresh: str = INPUTS_CHANGED) -> bool:
+                    why_fresh: str = INPUTS_CHANGED, run_dir: Path | None = None) -> bool:
     """Make `out` ready for a run of `stage` with `key`; True when an interrupted or partial run
     with the same key is there to resume. A complete or partial output made by `eyas run` with
     other settings, or (`fresh`) from inputs that have changed since, is removed; a non-empty
-    directory `eyas run` did not make, or made with another KEY_SCHEME, is never touched."""
-    marker = out / MARKER
-    if out.exists() and any(out.iterdir()):
-        if not marker.is_file():
-            raise EyasError(
-                f"{out} is not empty and was not made by `eyas run`: remove it or point --{stage}.out_dir elsewhere"
-            )
-        stored = marker.read_text().strip()
-        if not stored.startswith(f"{KEY_SCHEME}:"):
-            raise EyasError(f"{out} was made by an earlier eyas, whose run keys this one cannot compare: nothing is "
-                            f"removed; delete it yourself to run {stage} again there, or point --{stage}.out_dir (or "
-                            "--run_dir) elsewhere")
-        same = stored == key
+    directory `eyas run` did not make, made with another KEY_SCHEME, or (given `run_dir`, the run
+    claiming it) made by another run with other settings, is never touched (eyas.claims)."""
+    claims.lock_also(out)  # held until the run ends (eyas.claims.dir_locks)
+    if not claims.is_empty(out):
+        marker = claims.read_marker(out)
+        claims.refuse_foreign(stage, out, key if marker and marker["key"] == key and not fresh else "", run_dir)
+        same = marker["key"] == key
         if same and not fresh:
             return True
         why = why_fresh if same else "made with other settings"
         print(f"[eyas:run] {stage}: removing {out} ({why})", flush=True)
-        shutil.rmtree(out)
+        claims.clear(out)
     out.mkdir(parents=True, exist_ok=True)
-    artifacts.atomic_write_text(marker, key)
+    artifacts.atomic_write_text(out / MARKER, claims.marker_text(key, run_dir, stage, out))
     return False
 
 
@@ -418,7 +411,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
 def teed(path: Path):
     """Everything printed to stdout and stderr inside also goes to `path` (appended)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as log:
+    with artifacts.open_no_follow(path, "a", "give another --run_dir") as log:
         out, err = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = Tee(out, log), Tee(err, log)
         try:
@@ -431,7 +424,7 @@ def _main(cfg: EyasConfig, runner, banner: str = "") -> dict[str, Any]:
     run_dir = Path(cfg.run_dir)
     from eyas import vllm_engine
 
-    with teed(run_dir / "run.log"), vllm_engine.chained_stages():
+    with teed(run_dir / "run.log"), vllm_engine.chained_stages(), claims.dir_locks([], "run"):  # stage dirs: _run
         if banner:
             print(banner, flush=True)
         return _run(cfg, run_dir, runner)
@@ -520,6 +513,7 @@ def _run(cfg: EyasConfig, run_dir: Path, runner) -> dict[str, Any]:
                           f"{', '.join(stages)}; regenerate needs regenerate.enabled, extract train.mode=offline)")
     keys = run_keys(configs, stages)
     cfg = configs[stages[-1]]
+    claims.check_run(cfg, stages, keys)  # overlapping stage directories, another run's or a foreign one
     for stage, key in INPUTS_OUTSIDE:  # a stage that runs replaces its directory, and an input there with it
         given = getattr(getattr(cfg, stage), key)
         if stage in stages and given and Path(given).resolve().is_relative_to(cfg.stage_dir(stage).resolve()):
@@ -588,7 +582,7 @@ def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfi
         resuming = claim_stage_dir(s, out, keys[s], fresh=changed or state == "inputs" or (repair is not None and s not in RESUMED_REPAIR),
                                    why_fresh="its output is damaged" if repair is not None else (
             f"its inputs changed: {configs[s].prepare.data} is not the file it was made from" if edited
-            else INPUTS_CHANGED))
+            else INPUTS_CHANGED), run_dir=run_dir)
         changed = True
         print(f"[eyas:run] {s}: {'resuming' if resuming else 'running'} -> {out}", flush=True)
         stage_cfg = configs[s]

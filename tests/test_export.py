@@ -163,7 +163,7 @@ def test_export_averages_drafts_by_target_token(tcfg, prepared, tmp_path, capsys
     export(part, tmp_path / "part", formats=("speculators",), dtype="float32")
 
     def averaged(names):
-        out = tmp_path / "-".join(names)
+        out = tmp_path / ("averaged-" + "-".join(names))  # not into a draft it reads: that one is not its to replace
         dirs = ",".join(str(tmp_path / n / "speculators") for n in names)
         args = [f"--run_dir={run}", f"--out_dir={out}", "--format", "speculators", "--dtype", "float32"]
         assert cli(["export", str(tmp_path / "train"), *args, f"--average_with=[{dirs}]"]) == 0, capsys.readouterr().err
@@ -201,3 +201,56 @@ def test_export_averages_drafts_by_target_token(tcfg, prepared, tmp_path, capsys
     args = [f"--run_dir={run}", f"--out_dir={tmp_path / 'x'}", f"--average_with=[{tmp_path / 'wide' / 'speculators'}]"]
     assert cli(["export", str(tmp_path / "train"), *args]) == 2
     assert "intermediate_size 256" in capsys.readouterr().err
+
+
+def test_export_removes_and_overwrites_only_the_files_its_records_say_it_wrote(tcfg, prepared, tmp_path, capsys):
+    """`eyas export --out_dir W` into a folder that holds someone else's sglang/ tree, config.yaml
+    and meta.json: exit 2 naming them, every byte kept. Into its own earlier export: --format
+    narrows it (its own layout removed), but a file added to a layout it would remove is refused;
+    an export cut short (no meta.json) still owns what it wrote (its ledger); a symlinked layout
+    folder is refused (eyas makes none)."""
+    from eyas.cli import main as cli
+
+    run = prepared.parent
+    train = tmp_path / "train"
+    save_draft(prepared_draft(tcfg, prepared), train / "final")
+
+    def export_to(out, *more):
+        capsys.readouterr()
+        rc = cli(["export", str(train), f"--run_dir={run}", f"--out_dir={out}", *more])
+        return rc, capsys.readouterr().err
+
+    def files(root):
+        return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+                and p.name != ".eyas.lock"}
+
+    theirs = tmp_path / "theirs"
+    (theirs / "sglang" / "notes").mkdir(parents=True)
+    (theirs / "sglang" / "notes" / "plan.txt").write_text("an unrelated tree")
+    (theirs / "config.yaml").write_text("theirs: 1\n")
+    (theirs / "meta.json").write_text('{"theirs": true}\n')
+    before = files(theirs)
+    rc, err = export_to(theirs, "--format", "speculators")
+    assert rc == 2 and f"{theirs / 'meta.json'}, {theirs / 'config.yaml'}, {theirs / 'sglang' / 'notes' / 'plan.txt'}" \
+        in err and "not written by `eyas export`" in err and "--export.out_dir" in err, err
+    assert files(theirs) == before
+
+    mine = tmp_path / "mine"
+    assert export_to(mine)[0] == 0
+    (mine / "speculators" / "README.md").write_text("my notes on this draft")
+    rc, err = export_to(mine, "--format", "sglang")
+    assert rc == 2 and str(mine / "speculators" / "README.md") in err, err
+    assert (mine / "speculators" / "model.safetensors").is_file() and (mine / "meta.json").is_file()
+    (mine / "speculators" / "README.md").unlink()
+    (mine / "meta.json").unlink()  # as an export cut short leaves it: its ledger still names its files
+    assert export_to(mine, "--format", "sglang")[0] == 0
+    assert not (mine / "speculators").exists() and (mine / "sglang" / "model.safetensors").is_file()
+
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "model.safetensors").write_bytes(b"not a draft of ours")
+    (linked / "sglang").symlink_to(tmp_path / "elsewhere")
+    rc, err = export_to(linked)
+    assert rc == 2 and str(linked / "sglang") in err, err
+    assert (tmp_path / "elsewhere" / "model.safetensors").read_bytes() == b"not a draft of ours"

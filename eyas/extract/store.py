@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from eyas.errors import ArtifactError, ConfigError
+from eyas import artifacts
 from eyas.artifacts import fsync_dir
 
 SHARD_DIR = "shards"
@@ -288,7 +289,7 @@ class ShardWriter:
 def append_journal(out: Path, rank: int, entry: dict[str, Any]) -> None:
     path = journal_path(out, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
+    with artifacts.open_no_follow(path, "a", "point --extract.out_dir elsewhere") as f:
         f.write(json.dumps(entry) + "\n")
         f.flush()
         os.fsync(f.fileno())

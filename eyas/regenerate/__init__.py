@@ -115,7 +115,7 @@ def read_done(path: Path) -> set[int]:
     raw = path.read_bytes()
     good = raw[: raw.rfind(b"\n") + 1]
     if len(good) != len(raw):
-        with open(path, "r+b") as f:
+        with artifacts.open_no_follow(path, "r+b", "point --regenerate.out_dir elsewhere") as f:
             f.truncate(len(good))
     done = set()
     # split on "\n" only: str.splitlines() also breaks at U+2028, U+0085, ... which json.dumps
@@ -129,7 +129,7 @@ def read_done(path: Path) -> set[int]:
 
 
 def append_records(path: Path, records: list[dict[str, Any]]) -> None:
-    with open(path, "a", encoding="utf-8") as f:
+    with artifacts.open_no_follow(path, "a", "point --regenerate.out_dir elsewhere") as f:
         f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         f.flush()
         os.fsync(f.fileno())

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from eyas.artifacts import atomic_write_text, hash_json
+from eyas.artifacts import atomic_write_text, hash_json, open_no_follow
 from eyas.config import TrainConfig
 from eyas.distributed import all_reduce_sum, rank0_flag
 from eyas.draft import DraftConfig, Eagle3Draft
@@ -420,7 +420,7 @@ class MetricsLog:
     def write(self, rec: dict[str, Any]) -> None:
         if self.rank != 0:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
+        with open_no_follow(self.path, "a", "point --train.out_dir elsewhere") as f:
             f.write(json.dumps(rec) + "\n")
         if self.tb is not None:
             split = rec["split"]

@@ -76,3 +76,23 @@ def test_resume_reads_records_with_unicode_line_separators(tmp_path):
     append_records(path, [{"source_index": 3, "messages": [{"role": "assistant", "content": odd}]},
                           {"source_index": 7, "messages": []}])
     assert read_done(path) == {3, 7}
+
+
+def test_the_conversations_file_is_never_written_through_a_symlink(tmp_path):
+    """conversations.jsonl as a symbolic link out of the stage directory (eyas makes none): resuming
+    neither cuts its target's torn last line nor appends to it; the error names the link."""
+    import pytest
+
+    from eyas.errors import ArtifactError
+    from eyas.regenerate import append_records, read_done
+
+    outside = tmp_path / "someone-elses.jsonl"
+    outside.write_text('{"source_index": 1, "messages": []}\n{"unfinished')
+    link = tmp_path / "regenerate" / "conversations.jsonl"
+    link.parent.mkdir()
+    link.symlink_to(outside)
+    with pytest.raises(ArtifactError, match=f"{link} is a symbolic link .*never writes through one.*--regenerate.out_dir"):
+        read_done(link)
+    with pytest.raises(ArtifactError, match="symbolic link"):
+        append_records(link, [{"source_index": 2, "messages": []}])
+    assert outside.read_text() == '{"source_index": 1, "messages": []}\n{"unfinished'
