@@ -562,7 +562,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
 def resume_changes(tr: Trainer, state: dict[str, Any], sched: Schedule, start: int) -> list[dict[str, Any]]:
     """Apply this run's optimizer and schedule settings to the state resumed at `start` and record
     every setting that differs from the checkpoint's (tr.changes: all resumes'); -> this resume's."""
-    made = resuming.changes(state, resuming.settings(tr.tc, sched.total), start)
+    made = resuming.changes(state, resuming.settings(tr.tc, sched), start)
     lr = resuming.apply_schedule(tr.optimizer, tr.scheduler, tr.tc, start)
     tr.changes = list(state.get("changes") or []) + made
     if made and tr.rank == 0:
@@ -618,7 +618,7 @@ def save(tr: Trainer, ckpt_root: Path, step: int, sched: Schedule, draft_cfg: Dr
     epoch, window = sched.position(step)
     trainer = {"epoch": epoch, "window": window, "world_size": tr.world_size, "total_steps": sched.total,
                "train_split": sched.split_digest, "all_runs": all_runs, "init_from": tr.init_from,
-               "settings": resuming.settings(tr.tc, sched.total), "changes": tr.changes}
+               "settings": resuming.settings(tr.tc, sched), "changes": tr.changes}
     checkpoint.save(ckpt_root, step, tr.model, tr.optimizer, tr.scheduler, draft_cfg, trainer, tr.rank,
                     tr.tc.keep_checkpoints, tr.identity)
 

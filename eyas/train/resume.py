@@ -80,15 +80,16 @@ def check_resume(path: Path, identity: dict[str, Any], draft: dict[str, Any]) ->
                           f"than this run reads ({identity['num_samples']} samples, {identity['samples']}): {how})")
 
 
-def settings(tc: TrainConfig, total_steps: int) -> dict[str, Any]:
-    """The train settings a checkpoint records, to compare a resume's with, and the schedule they
-    make: `schedule.total_steps` (train.max_steps, or epochs x the data) and `schedule.warmup_steps`."""
+def settings(tc: TrainConfig, sched) -> dict[str, Any]:
+    """The train settings a checkpoint records, to compare a resume's with, the `seed` and world
+    size that order the data, and the schedule they make (`sched`, a loop.Schedule):
+    `schedule.total_steps` (train.max_steps, or epochs x the data) and `schedule.warmup_steps`."""
     from eyas.run import BUDGET_KEYS
 
     skip = set(NOT_RECORDED) | set(BUDGET_KEYS["train"])
     out = {f"train.{k}": v for k, v in to_dict(tc).items() if k not in skip}
-    out["schedule.total_steps"] = total_steps
-    out["schedule.warmup_steps"] = warmup_steps(tc, total_steps)
+    out.update({"seed": sched.seed, "world_size": sched.world, "schedule.total_steps": sched.total,
+                "schedule.warmup_steps": warmup_steps(tc, sched.total)})
     return out
 
 
@@ -98,12 +99,13 @@ def warmup_steps(tc: TrainConfig, total_steps: int) -> int:
 
 def changes(state: dict[str, Any], now: dict[str, Any], step: int) -> list[dict[str, Any]]:
     """`{"step", "key", "from", "to"}` for each recorded setting (`settings`) that differs from
-    `now`. The optimizer's lr, betas and weight decay and the schedule's total steps are read from
+    `now`. The optimizer's lr, betas and weight decay, the world size and the total steps are read from
     the state they ran with, so a checkpoint of an earlier eyas (no settings) is compared on them too."""
     group = state["optimizer"]["param_groups"][0]
     was = dict(state.get("settings") or {})
     was.update({"train.lr": group["initial_lr"], "train.betas": list(group["betas"]),
-                "train.weight_decay": group["weight_decay"], "schedule.total_steps": state["total_steps"]})
+                "train.weight_decay": group["weight_decay"], "schedule.total_steps": state["total_steps"],
+                "world_size": state["world_size"]})
     return [{"step": step, "key": k, "from": was[k], "to": v} for k, v in now.items() if k in was and was[k] != v]
 
 

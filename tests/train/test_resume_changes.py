@@ -53,10 +53,11 @@ def test_more_steps_on_resume_follow_the_longer_schedule_not_lr_0(tmp_path, smol
     as a collapse blaming the lr). It follows the 5-step schedule, recorded as changed at step 4."""
     _, train_dir = four_steps(tmp_path, smol_prep, tiny_target)
     meta = run(resumed(tmp_path, smol_prep, tiny_target, train_dir / "checkpoints" / "step_0000004", "longer",
-                       "--train.max_steps=5"))
+                       "--train.max_steps=5", "--seed=1"))
     (rec,) = read_metrics(tmp_path / "longer")
     assert rec["step"] == 5 and rec["lr"] == pytest.approx(cosine(LR, 4, 5), rel=1e-12) and rec["lr"] > 0
     assert meta["changes"] == [{"step": 4, "key": "train.max_steps", "from": 4, "to": 5},
+                               {"step": 4, "key": "seed", "from": 0, "to": 1},  # another data order: recorded too
                                {"step": 4, "key": "schedule.total_steps", "from": 4, "to": 5}]
     assert meta["counts"]["steps"] == 5
 
