@@ -84,6 +84,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
         sched = Schedule(tc, train_idx, data.lengths, cfg.seed, rank, world_size)
         identity = resuming.data_identity(data.source, data.d2t, data.t2d)
         if resume is not None:  # before the checkpoint's state is read, or a draft of this shape built
+            checkpoint.check_checkpoint(resume, ("draft_config.json", resuming.IDENTITY))  # the rest: on load
             resuming.check_resume(resume, identity, build.draft_config(cfg, data).to_dict())
         tr, dcfg = build.build_trainer(cfg, data, device, rank, world_size, sched.total, init=resume is None)
         tr.identity = identity

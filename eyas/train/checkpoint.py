@@ -145,13 +145,15 @@ CHECKSUMS = "checksums.json"
 """Each checkpoint file's sha256, written last inside the checkpoint; `load` checks them first."""
 
 
-def check_checkpoint(path: Path) -> None:
-    """DamagedArtifact naming the first file of checkpoint `path` whose sha256 is not the one its
-    checksums.json records (checkpoints of an earlier eyas have none: not checked)."""
+def check_checkpoint(path: Path, names: tuple[str, ...] = ()) -> None:
+    """DamagedArtifact naming the first file of checkpoint `path` (of `names`, if given) whose sha256
+    is not the one its checksums.json records (checkpoints of an earlier eyas have none: not checked)."""
     sums = path / CHECKSUMS
     if not sums.is_file():
         return
     for name, want in json.loads(sums.read_text()).items():
+        if names and name not in names:
+            continue
         f = path / name
         if not f.is_file() or sha256_file(f) != want:
             raise DamagedArtifact(f"checkpoint {path}: {name} is {'missing' if not f.is_file() else 'damaged'} "

@@ -54,7 +54,11 @@ def check_resume(path: Path, identity: dict[str, Any], draft: dict[str, Any]) ->
     into a draft of this shape (`draft`, a DraftConfig dict). Reads its two small JSON files only."""
     how = (f"resume it with the data and settings it was trained with, or start a new run from its weights "
            f"(--train.init_from={path} and a new --train.out_dir")
-    shape = json.loads((path / "draft_config.json").read_text())
+    try:
+        shape = json.loads((path / "draft_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"checkpoint {path}: draft_config.json is unreadable ({type(e).__name__}: {e}); remove "
+                            "the checkpoint to resume from the one before it") from e
     diff = [k for k in draft if k in shape and shape[k] != draft[k]]
     if diff:
         what = ", ".join(f"{k} {shape[k]} -> {draft[k]} ({DRAFT_KEYS.get(k, 'target.model')})" for k in diff)

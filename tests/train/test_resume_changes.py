@@ -95,3 +95,15 @@ def test_a_checkpoint_of_other_samples_in_the_same_vocabulary_is_refused(tmp_pat
     with pytest.raises(ConfigError, match=r"trained on other data \(14 samples, .*--train.init_from="):
         run(resumed(tmp_path, first, tiny_target, ckpt, "c", "--train.max_steps=2", prep=shorter))
     assert json.loads((ckpt / "identity.json").read_text())["num_samples"] == 14
+
+
+@pytest.mark.parametrize("name", ["identity.json", "draft_config.json"])
+def test_a_damaged_identity_or_draft_config_is_named_as_damaged_not_as_other_data(tmp_path, smol_prep, tiny_target, name):
+    from eyas.errors import DamagedArtifact
+
+    _, train_dir = four_steps(tmp_path, smol_prep, tiny_target, "--train.max_steps=2")
+    ckpt = train_dir / "checkpoints" / "step_0000002"
+    text = (ckpt / name).read_text()
+    (ckpt / name).write_text(text[: len(text) // 2])  # cut: no longer JSON
+    with pytest.raises(DamagedArtifact, match=f"step_0000002: {name} is damaged"):
+        run(resumed(tmp_path, smol_prep, tiny_target, ckpt, "again"))
