@@ -39,3 +39,29 @@ def test_a_float_knob_built_in_code_is_checked_too():
 
     hints = typing.get_type_hints(TrainConfig)
     assert set(FLOAT_KNOBS) == {k for k, t in hints.items() if t is float}  # a new float knob is checked too
+
+
+@pytest.mark.parametrize("text, first, second, key", [
+    ("train:\n  lr: 1.0e-3\nprepare:\n  max_conversations: 4\ntrain:\n  lr: 1.0e-2\n", 1, 5, "train"),
+    ("train:\n  lr: 1.0e-3\n  epochs: 2\n  lr: 1.0e-2\n", 2, 4, "lr"),
+])
+def test_a_recipe_with_a_key_twice_is_refused_naming_both_lines(tmp_path, text, first, second, key):
+    """YAML keeps the last of two equal keys: a second `train:` section would silently replace the
+    first. Refused instead, naming file:line of both."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_config(str(recipe), [])
+    msg = str(e.value)
+    assert f"{recipe}:{first}" in msg and f"{recipe}:{second}" in msg and repr(key) in msg, msg
+
+
+def test_a_recipe_with_a_key_twice_exits_2(tmp_path):
+    import subprocess
+    import sys
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("train:\n  lr: 1.0e-3\ntrain:\n  lr: 1.0e-2\n")
+    p = subprocess.run([sys.executable, "-m", "eyas", "config", str(recipe)], capture_output=True, text=True)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert f"{recipe}:1" in p.stderr + p.stdout and f"{recipe}:3" in p.stderr + p.stdout

@@ -208,12 +208,35 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (YAML keeps the last one, so a
+    second `train:` section would silently replace the first). Keys a `<<: *anchor` merge brings
+    in may still be set again: overriding them is what a merge is for."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` keys may be overridden: that is its use
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node)
+            except TypeError:  # an unhashable key: SafeLoader's own error says so
+                break
+            if first is not key_node:
+                where = key_node.start_mark.name
+                raise ConfigError(f"{where}:{first.start_mark.line + 1} and {where}:{key_node.start_mark.line + 1} both "
+                                  f"set {key!r}: YAML would keep only the second; merge them into one")
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with open(path, encoding="utf-8") as f:  # a stream: marks carry the file's name
+            data = yaml.load(f, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if data is None:

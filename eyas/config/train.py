@@ -194,7 +194,10 @@ class TrainConfig:
     the head is that draft's (refused together)."""
     resume: str = ""
     """auto: continue from the latest checkpoint in OUT_DIR/checkpoints if there is one; a
-    checkpoint directory: continue from it; empty: start fresh (an existing run is an error)."""
+    checkpoint directory: continue from it; empty: start fresh (an existing run is an error). A
+    checkpoint of other data, another draft vocabulary or another draft shape is refused; any other
+    train setting that differs applies from the resumed step and is recorded in meta.json's `changes`
+    (the lr schedule becomes this run's: a larger max_steps continues on the longer cosine)."""
     num_workers: int = -1
     """Data loader worker processes (-1 = 2 on GPU, 0 on CPU)."""
     loader_timeout_s: float = 300.0

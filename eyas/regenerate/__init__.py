@@ -36,13 +36,17 @@ from typing import Any
 from eyas import artifacts
 from eyas.chat import REASONING, Conversation, load_conversations
 from eyas.config import EyasConfig, dump_config, to_dict
-from eyas.errors import EyasError, raise_if_terminated
+from eyas.errors import ConfigError, EyasError, raise_if_terminated
 from eyas.regenerate.backends import HFBackend, ServerBackend
 from eyas.regenerate.self_prompts import SELF_PROMPTS, read_self_prompts, self_conversations
 from eyas.target import describe_target, load_tokenizer
 
 
 OUTPUT = "conversations.jsonl"
+INPUTS = "inputs.json"
+"""What the answers in OUTPUT are made from (`answer_inputs`), written before the first is appended."""
+HOW_IT_RUNS = ("enabled", "out_dir", "chunk_conversations")
+"""regenerate keys that do not shape an answer (besides eyas.run.BUDGET_KEYS' time and retry budgets)."""
 
 
 def regenerate_chunk(backend, tok, convs: list[Conversation], rc, counts: Counter) -> list[dict[str, Any]]:
@@ -135,6 +139,55 @@ def append_records(path: Path, records: list[dict[str, Any]]) -> None:
         os.fsync(f.fileno())
 
 
+def answer_inputs(cfg: EyasConfig) -> dict[str, Any]:
+    """What an answer depends on: the target, the regenerate settings (but its budgets and
+    HOW_IT_RUNS), the data's format and system prompt, and the data by content (sha256), so the same
+    file under another path continues its answers. prepare.max_conversations is left out: it says
+    how many of the data's conversations to answer, and a larger one continues the file."""
+    from eyas.prepare import data_hash
+    from eyas.run import BUDGET_KEYS
+
+    skip = set(BUDGET_KEYS["regenerate"]) | set(HOW_IT_RUNS)
+    settings = {f"target.{k}": v for k, v in to_dict(cfg.target).items()}
+    settings.update({f"regenerate.{k}": v for k, v in to_dict(cfg.regenerate).items() if k not in skip})
+    settings.update({f"prepare.{k}": getattr(cfg.prepare, k) for k in ("format", "system_prompt")})
+    return {"data": {"path": cfg.prepare.data, "sha256": data_hash(cfg.prepare.data)}, "settings": settings}
+
+
+def changed_inputs(was: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """`key: old -> new` for each input that differs (a setting an earlier eyas did not record is not compared)."""
+    out = []
+    if was["data"]["sha256"] != now["data"]["sha256"]:
+        out.append(f"prepare.data: {was['data']['path']} (sha256 {was['data']['sha256'][:12]}) -> {now['data']['path']} "
+                   f"(sha256 {now['data']['sha256'][:12]})")
+    out += [f"{k}: {was['settings'][k]!r} -> {v!r}" for k, v in now["settings"].items()
+            if k in was["settings"] and was["settings"][k] != v]
+    return out
+
+
+def check_inputs(out: Path, now: dict[str, Any], done: set[int]) -> None:
+    """Continue the answers in out/OUTPUT only under the inputs they were made from (out/INPUTS);
+    with none written yet, record `now` as theirs. Checked before anything is loaded or changed."""
+    path = out / INPUTS
+    if not done:
+        artifacts.atomic_write_text(path, json.dumps(now, indent=1))
+        return
+    fix = f"write elsewhere with --regenerate.out_dir, or delete {out / OUTPUT} to answer again"
+    try:
+        was = json.loads(path.read_text())
+        was["data"]["sha256"], was["settings"].items()
+    except FileNotFoundError:
+        raise ConfigError(f"{out / OUTPUT} holds {len(done)} answered conversations but no record of what they were "
+                          f"made from ({path} is missing): {fix}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{path} is not a regenerate inputs record ({type(e).__name__}: {e}): {fix}") from e
+    changed = changed_inputs(was, now)
+    if changed:
+        raise ConfigError(f"{out / OUTPUT} holds {len(done)} conversations answered under other inputs, which this run "
+                          f"would mix with its own answers: {'; '.join(changed)}. To continue it, go back to those "
+                          f"settings; or write elsewhere with --regenerate.out_dir, or delete {out / OUTPUT} to answer again")
+
+
 def main(cfg: EyasConfig) -> dict[str, Any]:
     from tqdm import tqdm
 
@@ -146,6 +199,8 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     path = out / OUTPUT
     done = read_done(path)
     made = read_self_prompts(out / SELF_PROMPTS, path, cfg, done) if rc.self_prompts else None
+    inputs = answer_inputs(cfg)
+    check_inputs(out, inputs, done)
     # checked what is cheap: from here the output is incomplete until this run finishes
     (out / "meta.json").unlink(missing_ok=True)
     artifacts.atomic_write_text(out / "config.yaml", dump_config(cfg))
@@ -218,6 +273,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         "regenerate",
         config={"target": to_dict(cfg.target), "regenerate": to_dict(rc), "prepare": to_dict(pc)},
         target=describe_target(cfg.target),
+        inputs={"data": inputs["data"]},
         counts=summary,
         output=OUTPUT,
         files=artifacts.file_record(out, [OUTPUT]),

@@ -53,7 +53,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
     from eyas.distributed import barrier
     from eyas.errors import ConfigError
     from eyas.target import describe_target
-    from eyas.train import build, checkpoint, init_from
+    from eyas.train import build, checkpoint, init_from, resume as resuming
     from eyas.ttt import flex_row_length
     from eyas.train.data import batch_loader, epoch_batches
     from eyas.train.loop import Schedule, fit, record_failure
@@ -82,7 +82,12 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
         build.verify_shards(data.source, rank, world_size, device)
         train_idx, eval_idx = build.splits(cfg, data, rank)
         sched = Schedule(tc, train_idx, data.lengths, cfg.seed, rank, world_size)
+        identity = resuming.data_identity(data.source, data.d2t, data.t2d)
+        if resume is not None:  # before the checkpoint's state is read, or a draft of this shape built
+            checkpoint.check_checkpoint(resume, ("draft_config.json", resuming.IDENTITY))  # the rest: on load
+            resuming.check_resume(resume, identity, build.draft_config(cfg, data).to_dict())
         tr, dcfg = build.build_trainer(cfg, data, device, rank, world_size, sched.total, init=resume is None)
+        tr.identity = identity
         pad = tc.pad_multiple or (flex_row_length(tc.max_tokens) if tr.attention == "flex" else 0)
         workers = tc.num_workers if tc.num_workers >= 0 else (2 if device.type == "cuda" else 0)
         eval_plans = epoch_batches(eval_idx, data.lengths, tc.max_tokens, cfg.seed, 0, rank, world_size, shuffle=False)
@@ -106,6 +111,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
                     "planned_steps": sched.total, "stopped_early": metrics["stopped_early"],
                     "resumed_from_step": metrics["resumed_from_step"],
                     "world_size": world_size, "trainable_parameters": tr.draft.num_trainable_parameters()},
+            changes=metrics["changes"],  # settings changed on resumes, from the step each applies (train.resume)
             metrics={
                 "acc_T": metrics["train"].get("acc_T"), "tau": metrics["train"].get("tau"),
                 "loss_T": metrics["train"].get("loss_T"), "tokens_per_s": metrics["tokens_per_s"],

@@ -19,6 +19,7 @@ from eyas.draft import DraftConfig, Eagle3Draft, init_flex_attention
 from eyas.errors import ArtifactError, ConfigError
 from eyas.train.data import OnlineStates, split_groups, split_indices
 from eyas.train.loop import Teacher, Trainer, lr_lambda
+from eyas.train import resume
 from eyas.train.init_from import init_weights
 from eyas.train.parallel import parallelize
 from eyas.ttt import TTTDraft, resolve_attention
@@ -197,7 +198,7 @@ def build_trainer(
         [p for p in model.parameters() if p.requires_grad], lr=tc.lr, betas=tuple(tc.betas),
         weight_decay=tc.weight_decay, fused=device.type == "cuda",
     )
-    warmup = tc.warmup_steps or int(round(tc.warmup_ratio * total_steps))
+    warmup = resume.warmup_steps(tc, total_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(total_steps, warmup, tc.min_lr_ratio))
     d2t, t2d = data.d2t.to(device), data.t2d.to(device)
     teacher = Teacher(

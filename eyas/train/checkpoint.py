@@ -2,7 +2,10 @@
 
     draft.safetensors, draft_config.json   the draft (eyas.draft_files checkpoint form)
     trainer.pt                             optimizer, scheduler, step, epoch, data position,
-                                           RNG states (python, numpy, torch, cuda), world size
+                                           RNG states (python, numpy, torch, cuda), world size,
+                                           the train settings and the changes made on resumes
+    identity.json                          the data and draft vocabulary it was trained on
+                                           (eyas.train.resume, checked before a resume)
     checksums.json                         each file's sha256, checked before a resume reads any
 
 trainer.pt is read with `torch.load(weights_only=True)`: tensors, numbers, strings and containers,
@@ -36,6 +39,7 @@ from eyas.draft_files import save_draft
 from eyas.artifacts import atomic_write_json, fsync_dir
 from eyas.assets import sha256_file
 from eyas.errors import ArtifactError, ConfigError, DamagedArtifact
+from eyas.train.resume import IDENTITY
 
 STEP_RE = re.compile(r"^step_(\d{7,})$")
 TRAINER_STATE = "trainer.pt"
@@ -105,9 +109,10 @@ def set_rng_state(st: dict[str, Any]) -> None:
 
 def save(
     ckpt_root: Path, step: int, model: nn.Module, optimizer, scheduler, draft_cfg: DraftConfig,
-    trainer: dict[str, Any], rank: int, keep: int,
+    trainer: dict[str, Any], rank: int, keep: int, identity: dict[str, Any] | None = None,
 ) -> Path | None:
-    """Write checkpoint `step` (collective: every rank calls it); -> its directory on rank 0."""
+    """Write checkpoint `step` (collective: every rank calls it); -> its directory on rank 0.
+    `identity`: the data and vocabulary it was trained on (train.resume.data_identity), IDENTITY."""
     msd, osd = full_state(model, optimizer)
     if rank != 0:
         return None
@@ -123,6 +128,8 @@ def save(
         torch.save(state, f)
         f.flush()
         os.fsync(f.fileno())
+    if identity is not None:
+        atomic_write_json(tmp / IDENTITY, identity)
     atomic_write_json(tmp / CHECKSUMS, {f.name: sha256_file(f) for f in sorted(tmp.iterdir())})
     if final.exists():  # a re-run of the same step after resume
         shutil.rmtree(final)
@@ -138,13 +145,15 @@ CHECKSUMS = "checksums.json"
 """Each checkpoint file's sha256, written last inside the checkpoint; `load` checks them first."""
 
 
-def check_checkpoint(path: Path) -> None:
-    """DamagedArtifact naming the first file of checkpoint `path` whose sha256 is not the one its
-    checksums.json records (checkpoints of an earlier eyas have none: not checked)."""
+def check_checkpoint(path: Path, names: tuple[str, ...] = ()) -> None:
+    """DamagedArtifact naming the first file of checkpoint `path` (of `names`, if given) whose sha256
+    is not the one its checksums.json records (checkpoints of an earlier eyas have none: not checked)."""
     sums = path / CHECKSUMS
     if not sums.is_file():
         return
     for name, want in json.loads(sums.read_text()).items():
+        if names and name not in names:
+            continue
         f = path / name
         if not f.is_file() or sha256_file(f) != want:
             raise DamagedArtifact(f"checkpoint {path}: {name} is {'missing' if not f.is_file() else 'damaged'} "

@@ -22,7 +22,7 @@ from eyas.config import TrainConfig
 from eyas.distributed import all_reduce_sum, rank0_flag
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.errors import ArtifactError, EyasError, exception_message, raise_if_terminated, record_error
-from eyas.train import checkpoint
+from eyas.train import checkpoint, resume as resuming
 from eyas.train.data import Batch, batch_loader, epoch_batches
 from eyas.train.loss import acceptance_length, chain_length, step_terms, step_weights, teacher_targets, weighted_loss
 from eyas.train.parallel import clip_grad_norm, no_sync
@@ -112,6 +112,8 @@ class Trainer:
     rank: int = 0
     states: Any = None  # OnlineStates in online mode
     init_from: dict[str, Any] | None = None  # train.init_from's {dir, weights_sha256[, vocab]}, kept in checkpoints
+    identity: dict[str, Any] | None = None  # the data and vocabulary trained on (resume.data_identity), in checkpoints
+    changes: list[dict[str, Any]] = field(default_factory=list)  # settings changed on resumes (resume.changes)
     weights_T: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -442,15 +444,16 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     tc = tr.tc
     start = 0
     prior: dict[str, float] = {"runs": 0, "steps": 0, "tokens": 0, "seconds": 0.0}  # earlier runs' work
+    made: list[dict[str, Any]] = []  # the settings this resume changes, noted on its first logged record
     if resume is not None:
         state = checkpoint.load(resume, tr.model, tr.optimizer, tr.scheduler)
         start = state["step"]
         prior = state["all_runs"]
         tr.init_from = state["init_from"]  # where the run this continues started from
-        if tr.rank == 0 and (state["world_size"], state["total_steps"]) != (tr.world_size, sched.total):
-            print(f"[eyas:train] warning: {resume} was written by a run of {state['total_steps']} steps on "
-                  f"{state['world_size']} ranks, this one has {sched.total} steps on {tr.world_size}: the data order "
-                  "and learning-rate schedule differ from the original run's", flush=True)
+        made = resume_changes(tr, state, sched, start)
+        if tr.rank == 0 and state["world_size"] != tr.world_size:
+            print(f"[eyas:train] warning: {resume} was written by a run on {state['world_size']} ranks, this one runs "
+                  f"on {tr.world_size}: the data order differs from the original run's", flush=True)
         if tr.rank == 0 and state["train_split"] != sched.split_digest:
             print(f"[eyas:train] warning: {resume} was trained on another split of the samples: held-out samples of "
                   "this run may have been trained on", flush=True)
@@ -499,7 +502,9 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             step_norms = torch.stack(norms).tolist()
             last_train = dict(step=done, epoch=epoch, split="train", **rec, lr=out_s["lr"],
                               grad_norm=sum(step_norms) / len(step_norms), tokens=int(num_tokens),
-                              tokens_per_s=num_tokens / max(dt, 1e-9), seconds=dt, loader_s=windows.loader_s)
+                              tokens_per_s=num_tokens / max(dt, 1e-9), seconds=dt, loader_s=windows.loader_s,
+                              **({"changes": made} if made else {}))
+            made = []
             windows.loader_s = 0.0
             log.write(last_train)
             if tr.rank == 0:
@@ -551,7 +556,21 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
         save(tr, ckpt_root, end, sched, draft_cfg, total)
     log.close()
     return {"train": last_train, "eval": last_eval, "steps_done": end, "stopped_early": end < sched.total,
-            "resumed_from_step": start, "all_runs": total, **run_rates(windows_log)}
+            "resumed_from_step": start, "all_runs": total, "changes": tr.changes, **run_rates(windows_log)}
+
+
+def resume_changes(tr: Trainer, state: dict[str, Any], sched: Schedule, start: int) -> list[dict[str, Any]]:
+    """Apply this run's optimizer and schedule settings to the state resumed at `start` and record
+    every setting that differs from the checkpoint's (tr.changes: all resumes'); -> this resume's."""
+    made = resuming.changes(state, resuming.settings(tr.tc, sched), start)
+    lr = resuming.apply_schedule(tr.optimizer, tr.scheduler, tr.tc, start)
+    tr.changes = list(state.get("changes") or []) + made
+    if made and tr.rank == 0:
+        said = "; ".join(f"{c['key']} {c['from']} -> {c['to']}" for c in made)
+        print(f"[eyas:train] resuming at step {start} with other settings, applied from here on (recorded in "
+              f"metrics.jsonl and meta.json as changes): {said}; the schedule is this run's, step {start + 1} "
+              f"of {sched.total} at lr {lr:.3g}", flush=True)
+    return made
 
 
 def run_rates(windows_log: list[tuple[float, float]]) -> dict[str, float | None]:
@@ -598,9 +617,10 @@ def save(tr: Trainer, ckpt_root: Path, step: int, sched: Schedule, draft_cfg: Dr
          all_runs: dict | None) -> None:
     epoch, window = sched.position(step)
     trainer = {"epoch": epoch, "window": window, "world_size": tr.world_size, "total_steps": sched.total,
-               "train_split": sched.split_digest, "all_runs": all_runs, "init_from": tr.init_from}
+               "train_split": sched.split_digest, "all_runs": all_runs, "init_from": tr.init_from,
+               "settings": resuming.settings(tr.tc, sched), "changes": tr.changes}
     checkpoint.save(ckpt_root, step, tr.model, tr.optimizer, tr.scheduler, draft_cfg, trainer, tr.rank,
-                    tr.tc.keep_checkpoints)
+                    tr.tc.keep_checkpoints, tr.identity)
 
 
 def record_failure(out: Path, exc: BaseException, rank: int, step: int | None = None, sample_ids=(),

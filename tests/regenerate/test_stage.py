@@ -96,3 +96,36 @@ def test_the_conversations_file_is_never_written_through_a_symlink(tmp_path):
     with pytest.raises(ArtifactError, match="symbolic link"):
         append_records(link, [{"source_index": 2, "messages": []}])
     assert outside.read_text() == '{"source_index": 1, "messages": []}\n{"unfinished'
+
+
+def test_a_resume_under_other_inputs_is_refused_naming_what_changed(tmp_path, data):
+    """Answers of one data file, target or sampling setting are never continued under another: the
+    second run stops before loading anything, naming each changed setting, and leaves the file and
+    its records as they were. The same data under another path, a budget or a larger
+    max_conversations continue it."""
+    import pytest
+
+    from eyas.errors import ConfigError
+
+    out = tmp_path / "regenerate"
+    s = regenerate(cfg_for(tmp_path, data, "--prepare.max_conversations=1"))
+    assert s["conversations_written"] == 1
+    before = {f: (out / f).read_bytes() for f in ("conversations.jsonl", "meta.json", "config.yaml")}
+    other = tmp_path / "other.jsonl"
+    other.write_text("\n".join(json.dumps(c) for c in CONVS[::-1]) + "\n")
+    for extra, named in [((f"--prepare.data={other}",), [f"prepare.data: {data} ", f"-> {other}"]),
+                         (("--regenerate.temperature=0.7",), ["regenerate.temperature: 0.0 -> 0.7"]),
+                         (("--regenerate.server_model=other", "--regenerate.max_new_tokens=9"),
+                          ["regenerate.server_model: '' -> 'other'", f"regenerate.max_new_tokens: {NEW} -> 9"])]:
+        with pytest.raises(ConfigError) as e:
+            regenerate(load_config(None, [f"--run_dir={tmp_path}", f"--prepare.data={data}", "--target.dtype=float32",
+                                          f"--regenerate.max_new_tokens={NEW}", *extra]))
+        assert all(n in str(e.value) for n in named) and "--regenerate.out_dir" in str(e.value), str(e.value)
+        assert {f: (out / f).read_bytes() for f in before} == before
+    moved = tmp_path / "moved.jsonl"
+    moved.write_bytes(data.read_bytes())
+    s = regenerate(cfg_for(tmp_path, moved, "--prepare.max_conversations=2", "--regenerate.max_seconds=600",
+                           "--regenerate.chunk_conversations=7"))
+    assert (s["resumed_from"], s["regenerated_now"]) == (1, 1)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["inputs"]["data"] == {"path": str(moved), "sha256": __import__("hashlib").sha256(data.read_bytes()).hexdigest()}
