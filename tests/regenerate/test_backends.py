@@ -323,6 +323,10 @@ def test_an_answer_over_max_tokens_is_refused_and_said(tmp_path, data, target, m
     refused = sum(n > NEW for n in lengths) if mode == "long" else 3
     with ChatServer(model, tok, mode=mode, stream=stream) as srv:
         srv.long_tokens = 16
+        if mode == "huge":  # by default (max_refused_fraction 0.01) the stage fails, nothing written
+            with pytest.raises(EyasError, match=r"3 of 3 answers refused \(3 over max_tokens\)"):
+                regenerate(_server_cfg(tmp_path / "default", data, srv, "--regenerate.retries=0"))
+            assert not (tmp_path / "default" / "regenerate" / "conversations.jsonl").exists()
         s = regenerate(_server_cfg(tmp_path, data, srv, "--regenerate.retries=0", "--regenerate.max_refused_fraction=1",
                                    "--regenerate.concurrency=1"))
     assert s["counts"]["answers_refused_over_max_tokens"] == refused and s["conversations_written"] == 3 - refused
@@ -338,6 +342,12 @@ def test_an_answer_over_max_tokens_is_refused_and_said(tmp_path, data, target, m
 def test_an_answer_that_is_not_utf8_is_refused_never_stored_with_replacement_characters(tmp_path, data, target, stream, capsys):
     model, tok = target
     with ChatServer(model, tok, mode="badbytes", times=1, stream=stream) as srv:
+        if stream:  # by default (max_refused_fraction 0.01) the stage fails, nothing written
+            with pytest.raises(EyasError, match=r"1 of 3 answers refused \(1 not UTF-8\)"):
+                regenerate(_server_cfg(tmp_path / "default", data, srv, "--regenerate.retries=0",
+                                       "--regenerate.concurrency=1"))
+            assert not (tmp_path / "default" / "regenerate" / "conversations.jsonl").exists()
+            srv.times = srv.requests + 1
         s = regenerate(_server_cfg(tmp_path, data, srv, "--regenerate.retries=0", "--regenerate.max_refused_fraction=1",
                                    "--regenerate.concurrency=1"))
     assert s["counts"]["answers_refused_not_utf8"] == 1 and s["conversations_written"] == 2
