@@ -217,8 +217,16 @@ def test_an_api_key_comes_only_from_the_variable_the_config_names(tmp_path, data
     monkeypatch.delenv("EYAS_TEST_KEY_VAR", raising=False)
     with pytest.raises(EyasError, match="EYAS_TEST_KEY_VAR: that environment variable is not set"):
         server_endpoint(cfg.regenerate)
-    monkeypatch.setenv("EYAS_TEST_KEY_VAR", "k-123")
-    assert server_endpoint(cfg.regenerate)[1]["Authorization"] == "Bearer k-123"
+    monkeypatch.setenv("EYAS_TEST_KEY_VAR", "k-eyas-test-7731")
+    assert server_endpoint(cfg.regenerate)[1]["Authorization"] == "Bearer k-eyas-test-7731"
+    from eyas.errors import describe_exception, redact
+
+    assert redact("echoed: Bearer k-eyas-test-7731.") == "echoed: Bearer ***."  # a secret from then on
+    try:
+        raise RuntimeError("k-eyas-test-7731")
+    except RuntimeError as e:
+        d = describe_exception(e)
+    assert d["message"] == "***" and "k-eyas-test-7731" not in d["traceback"]
     with pytest.raises(EyasError, match="names the environment variable that holds the key"):
         cfg_for(tmp_path, data, "--regenerate.server_api_key_env=sk-abc.def")
 
