@@ -97,7 +97,7 @@ def empty_answers(m, work, server, extra):
 
 @_with_server
 def ignores_max_tokens(m, work, server, extra):
-    """A server that ignores max_tokens (3 MB answers, no usage): before, kept whole. Held: read no
+    """A server that ignores max_tokens (1.5 MB answers, no usage): before, kept whole. Held: read no
     further than 1 MiB + 4 KiB a token, refused and said; allowed by max_refused_fraction=1 the run
     completes with nothing over the bound written."""
     server.mode = "huge"

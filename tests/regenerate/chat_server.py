@@ -56,7 +56,7 @@ class ChatServer:
                  times: int | None = None, stream: bool = False):
         self.model, self.tok, self.mode, self.reasoning_key = model, tok, mode, reasoning_key
         self.times, self.stream = times, stream
-        self.retry_after, self.long_tokens, self.huge_bytes = "1", 40, 3_000_000
+        self.retry_after, self.long_tokens, self.huge_bytes = "1", 40, 1_500_000
         self.bodies: list[dict] = []
         self.arrivals: list[float] = []
         self.requests = 0
