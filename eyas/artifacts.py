@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.assets import sha256_file
-from eyas.errors import ArtifactError, DamagedArtifact, EyasError, redact_urls
+from eyas.errors import ArtifactError, DamagedArtifact, EyasError, redact
 
 SCHEMA_VERSION = 1
 
@@ -203,7 +203,7 @@ def run_dir_lock(run_dir: str | Path, command: str, what: str = "run directory")
                             "commands in one directory replace each other's stage outputs. Wait for it to "
                             f"finish or stop it, or give this one another {flag} (lock: {path})") from None
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "command": f"eyas {command}",
-                  "argv": [redact_urls(a) for a in sys.argv], "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+                  "argv": [redact(a) for a in sys.argv], "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         os.environ[LOCK_HELD] = os.pathsep.join([*held, str(run_dir)])

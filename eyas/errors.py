@@ -73,18 +73,38 @@ def redact_urls(text: str) -> str:
     return _URL_CREDENTIALS.sub(hide, text)
 
 
+SECRETS: set[str] = set()
+"""Configured secrets (an API key, URL credentials) no message or file may show: `add_secret`."""
+
+
+def add_secret(value: str) -> None:
+    """From now on `redact` shows `value` as *** wherever it appears (a server that echoes the key
+    it was sent in its error page, a traceback that holds it)."""
+    if value:
+        SECRETS.add(value)
+
+
+def redact(text: str) -> str:
+    """`text` with URL credentials (redact_urls) and every secret given to add_secret shown as ***:
+    what every message, log line and file eyas writes goes through."""
+    text = redact_urls(text)
+    for secret in sorted(SECRETS, key=len, reverse=True):  # the longest first: one may hold another
+        text = text.replace(secret, "***")
+    return text
+
+
 def exception_message(exc: BaseException) -> str:
-    """str(exc), or repr(exc) when str is empty (a bare `raise RuntimeError()` prints nothing)."""
+    """str(exc), or repr(exc) when str is empty (a bare `raise RuntimeError()` prints nothing); redacted."""
     text = str(exc)
-    return text if text.strip() else repr(exc)
+    return redact(text if text.strip() else repr(exc))
 
 
 def describe_exception(exc: BaseException) -> dict[str, str]:
-    """Type, message (repr when empty) and the full traceback, ready for JSON."""
+    """Type, message (repr when empty) and the full traceback, ready for JSON; redacted."""
     return {
         "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
         "message": exception_message(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "traceback": redact("".join(traceback.format_exception(type(exc), exc, exc.__traceback__))),
     }
 
 

@@ -43,8 +43,8 @@ from typing import Any
 
 from eyas import artifacts, claims
 from eyas.config import RESUMABLE, STAGES, EyasConfig, to_dict
-from eyas.errors import (ArtifactError, ConfigError, DamagedArtifact, EyasError, describe_exception,
-                         raise_if_terminated)
+from eyas.errors import (SECRETS, ArtifactError, ConfigError, DamagedArtifact, EyasError, describe_exception,
+                         raise_if_terminated, redact)
 
 # The config sections whose values define each stage's output (besides the stage before it).
 SECTIONS = {
@@ -63,7 +63,8 @@ SECTIONS = {
 # an extraction's skipped samples without extracting again). evaluate.max_seconds stays in the key:
 # evaluation does not resume, so a larger budget has to re-run it.
 BUDGET_KEYS = {
-    "regenerate": ("max_seconds", "stall_s", "timeout_s", "retries", "concurrency", "server_api_key_env"),
+    "regenerate": ("max_seconds", "stall_s", "timeout_s", "retries", "concurrency", "server_api_key_env",
+                   "max_retry_wait_s", "max_refused_fraction"),
     "prepare": ("num_workers",),
     "extract": ("allow_failures", "progress", "spill_dirs", "min_free_gb"),  # where shards go, not what they hold
     "train": ("max_seconds", "stop_by", "resume", "num_workers", "loader_timeout_s", "collapse_steps", "tensorboard",
@@ -283,8 +284,9 @@ class Tee:
         self.stream, self.log = stream, log
 
     def write(self, text):
-        self.stream.write(text)
-        self.log.write(text)
+        shown = redact(text) if SECRETS else text  # a configured secret reaches neither the console nor run.log
+        self.stream.write(shown)
+        self.log.write(shown)
         return len(text)
 
     def flush(self):

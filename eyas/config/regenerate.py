@@ -64,7 +64,20 @@ class RegenerateConfig:
     concurrency: int = 16
     """server backend: requests in flight at once."""
     retries: int = 3
-    """server backend: attempts after the first for connection errors and HTTP 5xx/429 (then the run fails)."""
+    """server backend: attempts after the first for connection errors, HTTP 5xx/429, answers that are
+    not JSON, cut off, stalled or empty (then the run fails; an empty answer is refused)."""
+    max_retry_wait_s: float = 300.0
+    """server backend: most seconds one request waits between its attempts, all retries together.
+    A wait is the server's `Retry-After` (HTTP 429/503) plus up to a quarter of it, else 1, 2, 4, ...
+    (at most 30) seconds, each jittered by half either way so that requests turned away together
+    do not come back together; a wait that would pass this total fails the run at once, naming it."""
+    max_refused_fraction: float = 0.01
+    """server backend: the share of answers that may be refused before the stage fails (checked
+    after each chunk, before it is written). Refused: empty (no content, no reasoning) after the
+    retries, longer than max_new_tokens (a server that ignores `max_tokens`: its own token count
+    over it, or more than 1 MiB + 4 KiB per token, where reading stops), or not valid UTF-8. A
+    refused answer is never written: its conversation ends before that turn; each is printed when
+    it happens and counted in meta.json (`answers_refused_*`)."""
     timeout_s: float = 600.0
     """server backend: seconds per request."""
     stall_s: float = 60.0
@@ -111,6 +124,9 @@ class RegenerateConfig:
         require(self.chunk_conversations >= 1, f"regenerate.chunk_conversations={self.chunk_conversations} must be >= 1")
         require(self.concurrency >= 1, f"regenerate.concurrency={self.concurrency} must be >= 1")
         require(self.retries >= 0, f"regenerate.retries={self.retries} must be >= 0")
+        require(self.max_retry_wait_s >= 0, f"regenerate.max_retry_wait_s={self.max_retry_wait_s} must be >= 0")
+        require(0 <= self.max_refused_fraction <= 1,
+                f"regenerate.max_refused_fraction={self.max_refused_fraction} must lie in [0, 1]")
         require(self.stall_s > 0 and self.timeout_s > 0,
                 f"regenerate.stall_s={self.stall_s} and regenerate.timeout_s={self.timeout_s} must be > 0")
         require(not self.server_api_key_env or re.fullmatch(r"[A-Z_][A-Z0-9_]*", self.server_api_key_env) is not None,

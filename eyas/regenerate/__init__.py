@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -37,7 +38,7 @@ from eyas import artifacts
 from eyas.chat import REASONING, Conversation, load_conversations
 from eyas.config import EyasConfig, dump_config, to_dict
 from eyas.errors import ConfigError, EyasError, raise_if_terminated
-from eyas.regenerate.backends import HFBackend, ServerBackend
+from eyas.regenerate.backends import REFUSED, HFBackend, ServerBackend
 from eyas.regenerate.self_prompts import SELF_PROMPTS, read_self_prompts, self_conversations
 from eyas.target import describe_target, load_tokenizer
 
@@ -49,8 +50,11 @@ HOW_IT_RUNS = ("enabled", "out_dir", "chunk_conversations")
 """regenerate keys that do not shape an answer (besides eyas.run.BUDGET_KEYS' time and retry budgets)."""
 
 
-def regenerate_chunk(backend, tok, convs: list[Conversation], rc, counts: Counter) -> list[dict[str, Any]]:
-    """All turns of `convs`, round by round (turn r of every conversation in one batch)."""
+def regenerate_chunk(backend, tok, convs: list[Conversation], rc, counts: Counter,
+                     refused: list[str] | None = None) -> list[dict[str, Any]]:
+    """All turns of `convs`, round by round (turn r of every conversation in one batch). A refused
+    answer (the server backend's checks) ends its conversation before that turn, said at once and
+    listed in `refused`."""
     states = []
     for c in convs:
         head = [m for m in c.messages[:1] if m["role"] == "system"]
@@ -77,6 +81,17 @@ def regenerate_chunk(backend, tok, convs: list[Conversation], rc, counts: Counte
         else:
             answers = backend.generate(prompt_ids)
         for s, msgs, a in zip(live, prompts, answers):
+            counts["answers_asked"] += 1
+            if a.refused:
+                s["open"] = False
+                counts["answers_refused"] += 1
+                counts[f"answers_refused_{a.refused}"] += 1
+                said = f"conversation {s['conv'].id}, turn {r + 1}: refused: {REFUSED[a.refused]}"
+                said += f": {a.why}" if a.why else ""
+                print(f"[eyas:regenerate] {said}; the conversation ends before it", file=sys.stderr, flush=True)
+                if refused is not None:
+                    refused.append(said)
+                continue
             counts["new_tokens"] += a.new_tokens
             if not a.text and a.reasoning:  # cut at max_new_tokens while thinking: no answer to train on
                 s["open"] = False
@@ -97,6 +112,24 @@ def regenerate_chunk(backend, tok, convs: list[Conversation], rc, counts: Counte
             continue
         out.append({"id": s["conv"].id, "source_index": s["index"], "messages": s["messages"], "finish_reasons": s["reasons"]})
     return out
+
+
+def check_refused(counts: Counter, rc, refused: list[str]) -> None:
+    """EyasError when more answers were refused so far than regenerate.max_refused_fraction allows
+    (checked before a chunk is written: nothing of it is kept)."""
+    if counts["answers_refused"] <= rc.max_refused_fraction * counts["answers_asked"]:
+        return
+    shown = "; ".join(refused[:5]) + (f"; ... ({len(refused) - 5} more)" if len(refused) > 5 else "")
+    raise EyasError(f"regenerate: {counts['answers_refused']} of {counts['answers_asked']} answers refused "
+                    f"({refused_counts(counts)}), more than regenerate.max_refused_fraction={rc.max_refused_fraction:g} "
+                    f"allows: {shown}. This chunk was not written. Fix the server and run the same command again "
+                    "(written conversations are kept), or raise regenerate.max_refused_fraction to go on without them")
+
+
+def refused_counts(counts: Counter) -> str:
+    """e.g. '3 empty, 1 over max_tokens'."""
+    names = {"empty": "empty", "over_max_tokens": "over max_tokens", "not_utf8": "not UTF-8"}
+    return ", ".join(f"{counts[f'answers_refused_{k}']} {v}" for k, v in names.items() if counts[f"answers_refused_{k}"])
 
 
 def out_of_time(elapsed: float, per_batch: float, conversations: int, rc) -> bool:
@@ -221,6 +254,7 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     counts: Counter = Counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", dynamic_ncols=True)
     per_batch, skipped = 0.0, 0
+    refused: list[str] = []
     for b in range(0, len(todo), rc.chunk_conversations):
         raise_if_terminated()
         ahead = len(todo[b : b + rc.chunk_conversations])
@@ -233,7 +267,8 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         t_chunk = time.perf_counter()
         before = counts["new_tokens"]
         try:
-            records = regenerate_chunk(backend, tok, chunk, rc, counts)
+            records = regenerate_chunk(backend, tok, chunk, rc, counts, refused)
+            check_refused(counts, rc, refused)
         except BaseException:
             if rc.backend == "vllm":  # the engine's GPUs free again, whoever catches this
                 backend.close(failed=True)
@@ -267,6 +302,8 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         "self_prompts": self_counts,
         "server_retries": getattr(backend, "retried", 0),
         "server_stalls": getattr(backend, "stalls", 0),
+        "server_wait_s": round(getattr(backend, "waited_s", 0.0), 2),
+        "answers_refused": counts["answers_refused"],
     }
     artifacts.write_meta(
         out,
@@ -282,7 +319,9 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         f"[eyas:regenerate] wrote {path}: {total} conversations ({len(todo) - skipped} now, {len(done)} resumed"
         + (f", {skipped} not started: max_seconds" if skipped else "") + "), "
         f"{counts['turns']} turns, {counts['new_tokens']:,} new tokens in {seconds:.1f} s "
-        f"({summary['tokens_per_s']:,.0f} tok/s); finish: stop {counts['finish_stop']}, length {counts['finish_length']}",
+        f"({summary['tokens_per_s']:,.0f} tok/s); finish: stop {counts['finish_stop']}, length {counts['finish_length']}"
+        + (f"; {counts['answers_refused']} answers refused ({refused_counts(counts)}): their conversations end before "
+           "them" if counts["answers_refused"] else ""),
         flush=True,
     )
     return summary

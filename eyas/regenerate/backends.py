@@ -10,11 +10,15 @@
                  are kept through decoding also where they are special tokens.
   ServerBackend  an OpenAI-compatible /v1/chat/completions endpoint (vllm serve, SGLang) with
                  bounded concurrency, answers streamed: connection errors, HTTP 429 and 5xx, an
-                 answer cut off, and a stall (nothing received for `stall_s`, reported when it
-                 happens) are retried `retries` times with backoff, then the run fails naming the
-                 conversation, the attempts and the last error. An API key comes from the
-                 environment variable `server_api_key_env`; URL credentials go as basic auth and
-                 are shown redacted. `generate_messages(chats, ids) -> [Answer]`. The response
+                 answer that is not JSON or cut off, an empty one, and a stall (nothing received
+                 for `stall_s`) are retried `retries` times, each said when it happens, after
+                 jittered waits that honour Retry-After and end at `max_retry_wait_s` in all; then
+                 the run fails naming the conversation, the attempts and the last error. An answer
+                 still empty, over max_tokens or not UTF-8 is refused (Answer.refused): the stage
+                 ends its conversation there and counts it. An API key comes from the environment
+                 variable `server_api_key_env`; URL credentials go as basic auth; both are hidden
+                 (eyas.errors.redact) from every message and file. `generate_messages(chats, ids)
+                 -> [Answer]`. The response
                  message's `reasoning_content` (SGLang, vLLM before 0.11) or `reasoning` (vLLM)
                  is the answer's reasoning; without either, a thinking block inline in `content`
                  is split off as the HF backend does.
@@ -23,21 +27,24 @@
 from __future__ import annotations
 
 import base64
+import email.utils
 import http.client
 import json
 import os
+import random
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
 from eyas.chat import REASONING, THINK_END, THINK_START, split_think
 from eyas.config import EyasConfig
-from eyas.errors import ConfigError, EyasError, exception_message, redact_urls
+from eyas.errors import ConfigError, EyasError, add_secret, exception_message, redact
 
 
 @dataclass
@@ -46,6 +53,8 @@ class Answer:
     new_tokens: int
     finish_reason: str  # "stop" | "length"
     reasoning: str = ""  # the thinking block, without its <think> markers ("" when none)
+    refused: str = ""  # server backend: why it is not kept (a key of REFUSED; "" = kept)
+    why: str = ""  # the refusal's particulars
 
 
 @dataclass(frozen=True)
@@ -220,16 +229,30 @@ def eos_ids(eos, tok) -> list[int]:
     return sorted(ids)
 
 
+REFUSED = {
+    "empty": "an empty answer (no content, no reasoning)",
+    "over_max_tokens": "longer than max_tokens",
+    "not_utf8": "not UTF-8",
+}
+"""Why the server backend refuses an answer (Answer.refused): it is never written."""
+
+
 class ServerBackend:
-    """An OpenAI-compatible /v1/chat/completions endpoint (vllm serve, SGLang, ...), answers streamed."""
+    """An OpenAI-compatible /v1/chat/completions endpoint (vllm serve, SGLang, ...), answers streamed.
+    Every answer is checked before it is kept (JSON, UTF-8, within max_tokens, not empty) and every
+    wait is bounded (stall_s, timeout_s, retries, max_retry_wait_s)."""
 
     def __init__(self, cfg: EyasConfig):
         self.rc = cfg.regenerate
         self.url, self.headers = server_endpoint(self.rc)
-        self.shown = redact_urls(self.rc.server_url.rstrip("/") + "/v1/chat/completions")  # in messages
+        self.shown = redact(self.rc.server_url.rstrip("/") + "/v1/chat/completions")  # in messages
         self.model = self.rc.server_model or cfg.target.model
-        self.retried = 0
-        self.stalls = 0
+        self.retried, self.stalls, self.waited_s = 0, 0, 0.0
+        self.lock = threading.Lock()  # the counters above, from the pool's threads
+        self.stop = threading.Event()  # set when one request failed the chunk: the others stop retrying
+        self.random = random.Random()  # the retries' jitter
+        # an answer of max_new_tokens tokens takes far less: a server past this ignores max_tokens
+        self.max_bytes = (1 << 20) + 4096 * self.rc.max_new_tokens
         # a streamed answer starts (its headers) at once and then sends an event per token: silence for
         # stall_s is a stall; an answer asked in one piece (extra_body stream: false) comes at its end
         self.timeout = self.rc.timeout_s if self.rc.extra_body.get("stream") is False else self.rc.stall_s
@@ -237,10 +260,22 @@ class ServerBackend:
     def generate_messages(self, prompts: list[list[dict[str, str]]], ids: list[str]) -> list[Answer]:
         """Answers to the chats (earlier assistant turns carry their `reasoning_content`: the
         server's chat template decides whether to show it, as for any client)."""
+        self.stop.clear()
         with ThreadPoolExecutor(max_workers=self.rc.concurrency) as pool:
-            return list(pool.map(self._one, prompts, ids))
+            futures = [pool.submit(self._one, p, i) for p, i in zip(prompts, ids)]
+            try:
+                for done in as_completed(futures):
+                    done.result()  # the first failure raises here
+            except BaseException:  # the requests not sent are not sent; those in flight retry no more
+                self.stop.set()
+                for f in futures:
+                    f.cancel()
+                raise
+        return [f.result() for f in futures]
 
     def _one(self, messages: list[dict[str, str]], conv_id: str) -> Answer:
+        """One answer, retried (connection errors, 429/5xx, stalls, not JSON, cut off, empty) with
+        jittered waits that honour Retry-After, each failure said when it happens."""
         body = {
             "model": self.model,
             "messages": messages,
@@ -252,53 +287,106 @@ class ServerBackend:
             **self.rc.extra_body,
         }
         data = json.dumps(body).encode()
-        last = ""
-        attempts = self.rc.retries + 1
-        for attempt in range(attempts):
-            if attempt:
+        attempts, waited = self.rc.retries + 1, 0.0
+        for attempt in range(1, attempts + 1):
+            if self.stop.is_set():  # another conversation failed the chunk: its error is the one raised
+                raise EyasError(f"regenerate: conversation {conv_id}: stopped, another conversation failed")
+            try:
+                answer = self._ask(data, conv_id)
+                if answer.refused != "empty" or attempt == attempts:
+                    return answer
+                failure = _Retry(REFUSED["empty"])
+            except _Retry as e:
+                failure = e
+            said = f"[eyas:regenerate] conversation {conv_id}: {failure} (attempt {attempt} of {attempts})"
+            if attempt == attempts:
+                print(f"{said}; {self.shown}", file=sys.stderr, flush=True)
+                break
+            wait = retry_wait(attempt, failure.retry_after, self.random)
+            if waited + wait > self.rc.max_retry_wait_s:
+                raise EyasError(f"regenerate: conversation {conv_id} at {self.shown}: {failure}; the next attempt would "
+                                f"wait {wait:.1f} s more after {waited:.1f} s, past regenerate.max_retry_wait_s="
+                                f"{self.rc.max_retry_wait_s:g}: raise it to wait longer, or lower "
+                                "regenerate.concurrency to ask the server for less at once")
+            print(f"{said}; retrying in {wait:.1f} s; {self.shown}", file=sys.stderr, flush=True)
+            self.stop.wait(wait)
+            waited += wait
+            with self.lock:
                 self.retried += 1
-                time.sleep(min(2.0 ** (attempt - 1), 30.0))
-            req = urllib.request.Request(self.url, data=data, headers=self.headers)
-            try:  # the socket timeout bounds each read: with one event per token, silence means a stall
-                with _OPENER.open(req, timeout=self.timeout) as resp:
-                    if resp.headers.get_content_type() == "text/event-stream":
-                        text, reasoning, n, reason = self._read_stream(resp, conv_id, time.monotonic() + self.rc.timeout_s)
-                    else:  # a server that answers in one piece
-                        text, reasoning, n, reason = self._read_whole(json.loads(resp.read()), conv_id)
-            except urllib.error.HTTPError as e:
-                detail = redact_urls(e.read().decode(errors="replace")[:2000])
-                last = f"HTTP {e.code} {e.reason}: {detail}"
-                if e.code == 429 or e.code >= 500:
-                    continue
-                hint = (" (the server wants an API key: put it in an environment variable and name that variable in "
-                        "--regenerate.server_api_key_env)" if e.code == 401 else "")
-                raise EyasError(f"regenerate: {self.shown} refused conversation {conv_id}: {last}{hint}") from None
-            except TimeoutError as e:  # socket.timeout too
-                self.stalls += 1
-                last = (exception_message(e) if "timeout_s" in str(e) else
-                        f"no data for {self.rc.stall_s:g} s: the server stalled (regenerate.stall_s)")
-                print(f"[eyas:regenerate] conversation {conv_id}: {last}; {self.shown}, attempt {attempt + 1} of "
-                      f"{attempts}", file=sys.stderr, flush=True)
-                continue
-            except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as e:
-                last = redact_urls(f"{type(e).__name__}: {exception_message(e)}")
-                continue
-            except _RetryableStreamError as e:
-                last = str(e)
-                continue
-            if not reasoning:  # a server without a reasoning parser: the thinking block is in the content
-                reasoning, text = split_think(text)
-            return Answer(text.strip(), n, "length" if reason == "length" else "stop", reasoning.strip())
+                self.waited_s += wait
         raise EyasError(f"regenerate: conversation {conv_id} failed after {attempts} attempts at {self.shown}; "
-                        f"last error: {last}")
+                        f"last error: {failure}")
 
-    def _read_stream(self, resp, conv_id: str, deadline: float) -> tuple[str, str, int, str]:
+    def _ask(self, data: bytes, conv_id: str) -> Answer:
+        """One request -> its checked answer (refused ones included); _Retry for what a retry may mend."""
+        req = urllib.request.Request(self.url, data=data, headers=self.headers)
+        try:  # the socket timeout bounds each read: with one event per token, silence means a stall
+            with _OPENER.open(req, timeout=self.timeout) as resp:
+                if resp.headers.get_content_type() == "text/event-stream":
+                    got = self._read_stream(resp, time.monotonic() + self.rc.timeout_s)
+                else:  # a server that answers in one piece
+                    got = self._read_whole(resp)
+        except _Refused as e:
+            return Answer("", 0, "stop", refused=e.kind, why=e.why)
+        except urllib.error.HTTPError as e:
+            last = f"HTTP {e.code} {e.reason}: {redact(e.read(2000).decode(errors='replace'))}"
+            if e.code == 429 or e.code >= 500:
+                header = e.headers.get("Retry-After")
+                after = retry_after_s(header)
+                raise _Retry(last + (f" (Retry-After: {header.strip()})" if after is not None else ""), after) from None
+            raise EyasError(f"regenerate: {self.shown} refused conversation {conv_id}: {last}{self._hint(e.code)}") from None
+        except TimeoutError as e:  # socket.timeout too
+            with self.lock:
+                self.stalls += 1
+            raise _Retry(exception_message(e) if "timeout_s" in str(e) else
+                         f"no data for {self.rc.stall_s:g} s: the server stalled (regenerate.stall_s)") from None
+        except (urllib.error.URLError, ConnectionError, http.client.HTTPException) as e:
+            raise _Retry(redact(f"{type(e).__name__}: {exception_message(e)}")) from None
+        return self._checked(*got)
+
+    def _hint(self, code: int) -> str:
+        """What to do about a 401/403: the key or credentials sent were refused, or none was sent."""
+        if code not in (401, 403):
+            return ""
+        if self.rc.server_api_key_env:
+            return (f" (the server refused the API key in {self.rc.server_api_key_env} (regenerate.server_api_key_env): "
+                    "check that it is this server's key)")
+        if "Authorization" in self.headers:
+            return " (the server refused the credentials in regenerate.server_url)"
+        return (" (the server wants an API key: put it in an environment variable and name that variable in "
+                "--regenerate.server_api_key_env)" if code == 401 else "")
+
+    def _checked(self, text: str, reasoning: str, n: int, reason: str) -> Answer:
+        """The answer kept, or refused: over max_tokens by the server's own count, text that cannot be
+        UTF-8 (an escaped lone surrogate), or empty."""
+        if n > self.rc.max_new_tokens:
+            return _refused("over_max_tokens", f"the server counted {n} tokens for max_tokens={self.rc.max_new_tokens}: "
+                            "it ignores max_tokens")
+        for part in (text, reasoning):
+            try:
+                part.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return _refused("not_utf8", f"{part[e.start:e.end]!r} (a lone surrogate) at character {e.start:,}")
+        if not text.strip() and not reasoning.strip():
+            return _refused("empty", "")
+        if not reasoning:  # a server without a reasoning parser: the thinking block is in the content
+            reasoning, text = split_think(text)
+        return Answer(text.strip(), n, "length" if reason == "length" else "stop", reasoning.strip())
+
+    def _too_long(self) -> _Refused:
+        return _Refused("over_max_tokens", f"more than {self.max_bytes:,} bytes for max_tokens={self.rc.max_new_tokens} "
+                        "(1 MiB + 4 KiB a token): the server ignores max_tokens; read no further")
+
+    def _read_stream(self, resp, deadline: float) -> tuple[str, str, int, str]:
         """(content, reasoning, completion tokens, finish reason) from server-sent events."""
-        text, reasoning, n, reason = [], [], 0, "stop"
-        for raw in resp:
+        text, reasoning, n, reason, size = [], [], 0, "stop", 0
+        while raw := resp.readline(self.max_bytes + 1 - size):
+            size += len(raw)
+            if size > self.max_bytes:
+                raise self._too_long()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the answer took longer than regenerate.timeout_s={self.rc.timeout_s:g} s")
-            line = raw.decode(errors="replace").strip()
+            line = _utf8(raw, size - len(raw)).strip()
             if not line.startswith("data:"):
                 continue
             event = line[5:].strip()
@@ -307,7 +395,7 @@ class ServerBackend:
             try:
                 chunk = json.loads(event)
                 if "error" in chunk:
-                    raise _RetryableStreamError(f"the server reported an error mid-answer: {str(chunk['error'])[:500]}")
+                    raise _Retry(f"the server reported an error mid-answer: {redact(str(chunk['error'])[:500])}")
                 usage = chunk.get("usage") or {}
                 n = int(usage.get("completion_tokens") or n)
                 for choice in chunk.get("choices") or []:
@@ -316,14 +404,23 @@ class ServerBackend:
                     reasoning.append(delta.get(REASONING) or delta.get("reasoning") or "")
                     reason = choice.get("finish_reason") or reason
             except (ValueError, TypeError, AttributeError) as e:
-                raise EyasError(f"regenerate: malformed event from {self.shown} for conversation {conv_id}: "
-                                f"{event[:500]!r} ({type(e).__name__}: {exception_message(e)})") from e
+                raise _Retry(f"a malformed event: {redact(event[:500])!r} ({type(e).__name__}: "
+                             f"{exception_message(e)})") from None
             if not all(isinstance(x, str) for x in (text[-1:] + reasoning[-1:])):
-                raise EyasError(f"regenerate: malformed event from {self.shown} for conversation {conv_id}: "
-                                f"{event[:500]!r} (content and reasoning must be strings)")
-        raise _RetryableStreamError("the connection closed before the answer's end ([DONE])")
+                raise _Retry(f"a malformed event: {redact(event[:500])!r} (content and reasoning must be strings)")
+        raise _Retry("the connection closed before the answer's end ([DONE])")
 
-    def _read_whole(self, payload: dict[str, Any], conv_id: str) -> tuple[str, str, int, str]:
+    def _read_whole(self, resp) -> tuple[str, str, int, str]:
+        """(content, reasoning, completion tokens, finish reason) from an answer in one piece."""
+        raw = resp.read(self.max_bytes + 1)
+        if len(raw) > self.max_bytes:
+            raise self._too_long()
+        body = _utf8(raw, 0)
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            raise _Retry(f"the answer is not JSON (Content-Type: {resp.headers.get('Content-Type')}, {len(raw):,} "
+                         f"bytes): {redact(body[:500])!r}") from None
         try:
             choice = payload["choices"][0]
             message = choice["message"]
@@ -332,10 +429,46 @@ class ServerBackend:
             n = int((payload.get("usage") or {}).get("completion_tokens", 0))
             if not (isinstance(text, str) and isinstance(reasoning, str)):
                 raise TypeError("content and reasoning must be strings")
-        except (KeyError, IndexError, TypeError, AttributeError) as e:
-            raise EyasError(f"regenerate: malformed response from {self.shown} for conversation {conv_id}: "
-                            f"{str(payload)[:500]}") from e
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+            raise _Retry(f"a malformed answer: {redact(str(payload)[:500])} ({type(e).__name__}: "
+                         f"{exception_message(e)})") from None
         return text, reasoning, n, choice.get("finish_reason") or "stop"
+
+
+def retry_wait(attempt: int, retry_after: float | None, rng: random.Random) -> float:
+    """Seconds before attempt `attempt` + 1: the server's Retry-After plus up to a quarter of it (never
+    sooner than it asked), else 1, 2, 4, ... (at most 30) times 0.5 to 1.5: requests turned away
+    together spread out instead of coming back together."""
+    if retry_after is not None:
+        return retry_after * (1 + 0.25 * rng.random())
+    return min(2.0 ** (attempt - 1), 30.0) * (0.5 + rng.random())
+
+
+def retry_after_s(header: str | None) -> float | None:
+    """The seconds a Retry-After header asks for (a number of seconds or an HTTP date); None when
+    absent or unreadable."""
+    value = (header or "").strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when is None or when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def _utf8(raw: bytes, offset: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _Refused("not_utf8", f"the bytes {raw[e.start:e.end]!r} at byte {offset + e.start:,} of the "
+                       "response") from None
+
+
+def _refused(kind: str, why: str) -> Answer:
+    return Answer("", 0, "stop", refused=kind, why=why)
 
 
 class _NoRedirects(urllib.request.HTTPRedirectHandler):
@@ -348,19 +481,35 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(_NoRedirects)
 
 
-class _RetryableStreamError(Exception):
-    """A streamed answer that broke off (closed early, an error event): retried like a 5xx."""
+class _Retry(Exception):
+    """A failed attempt a retry may mend (connection error, 429/5xx, stall, an answer not JSON or cut
+    off): its message, and the seconds the server asked to wait (Retry-After) or None."""
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class _Refused(Exception):
+    """An answer read no further (over the byte bound, not UTF-8): refused as REFUSED[kind]."""
+
+    def __init__(self, kind: str, why: str):
+        super().__init__(why)
+        self.kind, self.why = kind, why
 
 
 def server_endpoint(rc) -> tuple[str, dict[str, str]]:
     """(the chat-completions URL without credentials, the request headers): credentials in
     regenerate.server_url become basic auth, the key in the environment variable
-    regenerate.server_api_key_env a bearer token. ConfigError when that variable is unset."""
+    regenerate.server_api_key_env a bearer token; both are secrets eyas.errors.redact hides from
+    then on. ConfigError when that variable is unset."""
     parts = urllib.parse.urlsplit(rc.server_url.rstrip("/") + "/v1/chat/completions")
     headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
     if parts.username is not None:
         user = urllib.parse.unquote(parts.username) + ":" + urllib.parse.unquote(parts.password or "")
         headers["Authorization"] = "Basic " + base64.b64encode(user.encode()).decode()
+        for secret in (parts.password or "", urllib.parse.unquote(parts.password or ""), headers["Authorization"][6:]):
+            add_secret(secret)  # a server or proxy that echoes what it was sent shows ***
         parts = parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else ""))
     if rc.server_api_key_env:
         key = os.environ.get(rc.server_api_key_env, "")
@@ -371,4 +520,5 @@ def server_endpoint(rc) -> tuple[str, dict[str, str]]:
             raise ConfigError("regenerate.server_url carries credentials and regenerate.server_api_key_env names a key: "
                               "give one of them")
         headers["Authorization"] = f"Bearer {key}"
+        add_secret(key)
     return urllib.parse.urlunsplit(parts), headers

@@ -217,7 +217,171 @@ def test_an_api_key_comes_only_from_the_variable_the_config_names(tmp_path, data
     monkeypatch.delenv("EYAS_TEST_KEY_VAR", raising=False)
     with pytest.raises(EyasError, match="EYAS_TEST_KEY_VAR: that environment variable is not set"):
         server_endpoint(cfg.regenerate)
-    monkeypatch.setenv("EYAS_TEST_KEY_VAR", "k-123")
-    assert server_endpoint(cfg.regenerate)[1]["Authorization"] == "Bearer k-123"
+    monkeypatch.setenv("EYAS_TEST_KEY_VAR", "k-eyas-test-7731")
+    assert server_endpoint(cfg.regenerate)[1]["Authorization"] == "Bearer k-eyas-test-7731"
+    from eyas.errors import describe_exception, redact
+
+    assert redact("echoed: Bearer k-eyas-test-7731.") == "echoed: Bearer ***."  # a secret from then on
+    try:
+        raise RuntimeError("k-eyas-test-7731")
+    except RuntimeError as e:
+        d = describe_exception(e)
+    assert d["message"] == "***" and "k-eyas-test-7731" not in d["traceback"]
     with pytest.raises(EyasError, match="names the environment variable that holds the key"):
         cfg_for(tmp_path, data, "--regenerate.server_api_key_env=sk-abc.def")
+
+
+def _server_cfg(tmp_path, data, srv, *extra):
+    return cfg_for(tmp_path, data, "--regenerate.backend=server", f"--regenerate.server_url={srv.url}", *extra)
+
+
+def test_an_answer_that_is_not_json_is_retried_then_names_the_server_and_conversation(tmp_path, data, target, capsys):
+    """An HTML error page or a cut JSON body with status 200 (a proxy before the server): retried,
+    reported as it happens; when it persists, the run fails naming the server and the conversation."""
+    model, tok = target
+    with ChatServer(model, tok, mode="html", times=1) as srv:
+        s = regenerate(_server_cfg(tmp_path / "once", data, srv, "--prepare.max_conversations=1", "--regenerate.retries=1"))
+    assert s["server_retries"] == 1 and s["conversations_written"] == 1
+    assert read(tmp_path / "once" / "regenerate" / "conversations.jsonl")[0]["messages"] == reference(model, tok, CONVS[0])
+    err = capsys.readouterr().err
+    assert "conversation a: the answer is not JSON" in err and "retrying in" in err
+    assert "502 Bad Gateway" in err and "Content-Type: text/html" in err
+    with ChatServer(model, tok, mode="truncated") as srv:
+        with pytest.raises(EyasError) as e:
+            regenerate(_server_cfg(tmp_path / "always", data, srv, "--prepare.max_conversations=1", "--regenerate.retries=1"))
+    msg = str(e.value)
+    assert f"conversation a failed after 2 attempts at {srv.url}/v1/chat/completions" in msg
+    assert "the answer is not JSON" in msg and '{"choices"' in msg
+
+
+def test_429_waits_what_retry_after_says_reports_it_and_stops_at_max_retry_wait_s(tmp_path, data, target, capsys):
+    model, tok = target
+    with ChatServer(model, tok, mode="ratelimit", times=1) as srv:
+        srv.retry_after = "2"
+        s = regenerate(_server_cfg(tmp_path / "once", data, srv, "--prepare.max_conversations=1", "--regenerate.retries=1"))
+    assert s["conversations_written"] == 1 and s["server_retries"] == 1
+    assert 2.0 <= srv.arrivals[1] - srv.arrivals[0] < 3.5  # Retry-After, plus at most a quarter of it as jitter
+    assert 2.0 <= s["server_wait_s"] < 2.6
+    err = capsys.readouterr().err
+    assert "conversation a: HTTP 429" in err and "rate limit reached" in err and "Retry-After: 2" in err
+    assert "retrying in 2." in err and "(attempt 1 of 2)" in err
+    with ChatServer(model, tok, mode="ratelimit") as srv:  # a wait beyond the budget: fail now, say which setting
+        srv.retry_after = "30"
+        with pytest.raises(EyasError) as e:
+            regenerate(_server_cfg(tmp_path / "always", data, srv, "--prepare.max_conversations=1", "--regenerate.retries=2",
+                                   "--regenerate.max_retry_wait_s=5"))
+    assert srv.requests == 1
+    msg = str(e.value)
+    assert "conversation a" in msg and "HTTP 429" in msg and "Retry-After: 30" in msg
+    assert "regenerate.max_retry_wait_s=5" in msg
+
+
+def test_retry_waits_spread_out_and_read_retry_after():
+    import random
+    from email.utils import formatdate
+
+    from eyas.regenerate.backends import retry_after_s, retry_wait
+
+    rng = random.Random(0)
+    waits = [retry_wait(2, None, rng) for _ in range(50)]  # backoff 2 s, jittered by half either way
+    assert all(1.0 <= w <= 3.0 for w in waits) and len(set(waits)) == 50 and max(waits) - min(waits) > 1.0
+    assert all(5.0 <= retry_wait(1, 5.0, rng) <= 6.25 for _ in range(50))  # never before Retry-After
+    assert retry_wait(9, None, rng) <= 45.0  # the backoff is capped at 30 s (plus jitter)
+    assert retry_after_s("7") == 7.0 and retry_after_s(" 0 ") == 0.0
+    assert retry_after_s(None) is None and retry_after_s("soon") is None and retry_after_s("-3") is None
+    import time
+
+    assert 8.0 <= retry_after_s(formatdate(time.time() + 10, usegmt=True)) <= 10.0  # an HTTP date
+
+
+def test_empty_answers_are_retried_then_refused_counted_printed_and_fail_past_the_threshold(tmp_path, data, target, capsys):
+    model, tok = target
+    with ChatServer(model, tok, mode="empty", times=1) as srv:  # once: the retry answers
+        s = regenerate(_server_cfg(tmp_path / "once", data, srv, "--prepare.max_conversations=1", "--regenerate.retries=1"))
+    assert s["server_retries"] == 1 and s["counts"].get("answers_refused", 0) == 0
+    assert read(tmp_path / "once" / "regenerate" / "conversations.jsonl")[0]["messages"] == reference(model, tok, CONVS[0])
+    capsys.readouterr()
+    with ChatServer(model, tok, mode="empty") as srv:  # always: refused, the stage fails before writing the chunk
+        with pytest.raises(EyasError) as e:
+            regenerate(_server_cfg(tmp_path / "always", data, srv, "--regenerate.retries=1"))
+    msg = str(e.value)
+    assert "3 of 3 answers refused" in msg and "3 empty" in msg and "regenerate.max_refused_fraction=0.01" in msg
+    assert "conversation a" in msg and srv.requests == 6  # each asked twice
+    assert not (tmp_path / "always" / "regenerate" / "conversations.jsonl").exists()
+    assert not (tmp_path / "always" / "regenerate" / "meta.json").exists()
+    err = capsys.readouterr().err
+    assert all(f"conversation {c}, turn 1: refused: an empty answer" in err for c in "abc")
+    with ChatServer(model, tok, mode="empty") as srv:  # accepted by the setting: counted and said, never written
+        s = regenerate(_server_cfg(tmp_path / "allowed", data, srv, "--regenerate.retries=0",
+                                   "--regenerate.max_refused_fraction=1"))
+    assert s["conversations_written"] == 0 and s["counts"]["answers_refused_empty"] == 3
+    assert s["counts"]["dropped_no_answer"] == 3
+    assert "3 answers refused (3 empty)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode,stream", [("long", False), ("huge", True), ("huge", False)])
+def test_an_answer_over_max_tokens_is_refused_and_said(tmp_path, data, target, mode, stream, capsys):
+    """A server that ignores max_tokens: its own count over it (usage), or more bytes than
+    max_new_tokens tokens can take (no usage): read no further, refused, counted, printed."""
+    model, tok = target
+    firsts = [[m for m in c["messages"] if m["role"] != "assistant"][:2 if c["messages"][0]["role"] == "system" else 1]
+              for c in CONVS]
+    lengths = [greedy_reply(model, tok, msgs, 16)[1] for msgs in firsts]  # what the server makes of max_tokens=16
+    assert lengths[0] > NEW and min(lengths) <= NEW  # a's first answer goes over; a shorter one is kept
+    refused = sum(n > NEW for n in lengths) if mode == "long" else 3
+    with ChatServer(model, tok, mode=mode, stream=stream) as srv:
+        srv.long_tokens = 16
+        if mode == "huge":  # by default (max_refused_fraction 0.01) the stage fails, nothing written
+            with pytest.raises(EyasError, match=r"3 of 3 answers refused \(3 over max_tokens\)"):
+                regenerate(_server_cfg(tmp_path / "default", data, srv, "--regenerate.retries=0"))
+            assert not (tmp_path / "default" / "regenerate" / "conversations.jsonl").exists()
+        s = regenerate(_server_cfg(tmp_path, data, srv, "--regenerate.retries=0", "--regenerate.max_refused_fraction=1",
+                                   "--regenerate.concurrency=1"))
+    assert s["counts"]["answers_refused_over_max_tokens"] == refused and s["conversations_written"] == 3 - refused
+    kept = read(tmp_path / "regenerate" / "conversations.jsonl")
+    assert all(len(tok.encode(m["content"])) <= NEW for r in kept for m in r["messages"] if m["role"] == "assistant")
+    captured = capsys.readouterr()
+    assert "conversation a, turn 1: refused: longer than max_tokens" in captured.err
+    assert (f"the server counted {lengths[0]} tokens for max_tokens=6" if mode == "long" else "more than 1,073,152 bytes") in captured.err
+    assert f"{refused} answers refused ({refused} over max_tokens)" in captured.out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_that_is_not_utf8_is_refused_never_stored_with_replacement_characters(tmp_path, data, target, stream, capsys):
+    model, tok = target
+    with ChatServer(model, tok, mode="badbytes", times=1, stream=stream) as srv:
+        if stream:  # by default (max_refused_fraction 0.01) the stage fails, nothing written
+            with pytest.raises(EyasError, match=r"1 of 3 answers refused \(1 not UTF-8\)"):
+                regenerate(_server_cfg(tmp_path / "default", data, srv, "--regenerate.retries=0",
+                                       "--regenerate.concurrency=1"))
+            assert not (tmp_path / "default" / "regenerate" / "conversations.jsonl").exists()
+            srv.times = srv.requests + 1
+        s = regenerate(_server_cfg(tmp_path, data, srv, "--regenerate.retries=0", "--regenerate.max_refused_fraction=1",
+                                   "--regenerate.concurrency=1"))
+    assert s["counts"]["answers_refused_not_utf8"] == 1 and s["conversations_written"] == 2
+    text = (tmp_path / "regenerate" / "conversations.jsonl").read_text(encoding="utf-8")
+    assert "\ufffd" not in text and "@BAD@" not in text
+    assert "conversation a, turn 1: refused: not UTF-8" in capsys.readouterr().err
+
+
+def test_an_api_key_the_server_echoes_is_redacted_everywhere_and_the_hint_says_it_was_refused(tmp_path, data, target,
+                                                                                               monkeypatch, capsys):
+    from eyas.cli import main as cli
+
+    model, tok = target
+    key = "sk-test-9f8e7d6c5b4a"
+    monkeypatch.setenv("EYAS_TEST_SERVER_KEY", key)
+    with ChatServer(model, tok, mode="echo401") as srv:
+        rc = cli(["run", f"--run_dir={tmp_path}", f"--prepare.data={data}", "--target.dtype=float32",
+                  "--regenerate.enabled=true", "--regenerate.backend=server", f"--regenerate.server_url={srv.url}",
+                  "--regenerate.server_api_key_env=EYAS_TEST_SERVER_KEY", "--stop_after=regenerate"])
+    assert rc == 2
+    out = capsys.readouterr()
+    files = {p: p.read_text() for p in tmp_path.rglob("*") if p.is_file() and p.suffix in (".json", ".log", ".yaml", ".jsonl")}
+    assert tmp_path / "summary.json" in files and tmp_path / "run.log" in files
+    for where, text in [("stdout", out.out), ("stderr", out.err), *files.items()]:
+        assert key not in text, where
+    summary = files[tmp_path / "summary.json"]
+    assert "invalid API key: Bearer ***" in summary and "invalid API key: Bearer ***" in out.err
+    assert "the server refused the API key in EYAS_TEST_SERVER_KEY (regenerate.server_api_key_env)" in out.err
+    assert "put it in an environment variable" not in out.err
