@@ -170,9 +170,11 @@ def json_error_where(line: str, e: json.JSONDecodeError) -> str:
     cut line) is said so, rather than as "column 1" of the next line; elsewhere the column and the
     text just before it."""
     body = line.rstrip("\r\n")
-    if e.pos >= len(body.rstrip()):
-        return f"{e.msg}: the line ends (column {len(body) + 1}) before its JSON value is complete; was it cut short?"
-    return f"{e.msg} at column {e.pos + 1}, after {body[max(0, e.pos - 30):e.pos]!r}"
+    open_string = e.msg.startswith("Unterminated string") and '"' not in body[e.pos + 1:]
+    if e.pos >= len(body.rstrip()) or open_string:
+        return f"{e.msg.removesuffix(' starting at')}: the line ends (column {len(body) + 1}) before its JSON value " \
+               "is complete; was it cut short?"
+    return f"{e.msg.removesuffix(' at')} at column {e.pos + 1}, after {body[max(0, e.pos - 30):e.pos]!r}"
 
 
 def _iter_hf(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -152,6 +152,22 @@ def _disk_hint(e: BaseException) -> str:
     return ""
 
 
+def _not_permitted(e: BaseException) -> str:
+    """For a failure to write or read a path this user may not (EACCES, EPERM) or on a read-only
+    filesystem (EROFS), anywhere in its cause chain: the path and what to do; "" for anything else."""
+    import errno
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and e.filename:
+            return (f"{e.strerror}: {e.filename}: a directory or file this user may not write (or read), or a "
+                    "read-only filesystem; give a --run_dir (or the stage's out_dir) where you can write, or change "
+                    "its permissions, and run the same command again")
+        e = e.__cause__ or e.__context__
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -197,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eyas {command}: interrupted", file=sys.stderr)
         return 130
     except BaseException as e:  # anything unexpected: type, message and the full traceback, exit 1
+        if _not_permitted(e):  # a permission of the user's machine, not a fault of eyas: exit 2, as an EyasError
+            print(f"eyas {command}: error: {_not_permitted(e)}", file=sys.stderr)
+            return 2
         d = describe_exception(e)
         print(f"eyas {command}: {d['type']}: {d['message']}\n{d['traceback']}{_disk_hint(e)}", file=sys.stderr)
         return 1

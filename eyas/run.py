@@ -655,6 +655,7 @@ def preflight(cfg: EyasConfig, stages: list[str]) -> None:
     from eyas.capture import check_layer_ids, default_layer_ids
     from eyas.target import load_config as target_config
 
+    _check_evaluate_bench(cfg, stages)
     tc = cfg.target
     if tc.chat_template.endswith(".jinja") and not Path(tc.chat_template).is_file():  # as load_tokenizer says
         raise ConfigError(f"target.chat_template={tc.chat_template!r}: no such file")
@@ -674,6 +675,15 @@ def preflight(cfg: EyasConfig, stages: list[str]) -> None:
     if "evaluate" in stages and cfg.evaluate.bench not in ("mtbench", "embedded:mtbench") \
             and not Path(cfg.evaluate.bench).is_file():
         raise ConfigError(f"evaluate.bench={cfg.evaluate.bench!r}: not `mtbench` and no such file")
+
+
+def _check_evaluate_bench(cfg: EyasConfig, stages: list[str]) -> None:
+    """evaluate.bench read whole as evaluate reads it (each line a prompt, valid UTF-8), so that a
+    missing file or a malformed line fails the run before prepare, extract and train, not after."""
+    if "evaluate" in stages:
+        from eyas.evaluate.inputs import load_bench
+
+        load_bench(cfg.evaluate.bench, cfg.evaluate.num_questions)
 
 
 def draft_shape(cfg: EyasConfig, target_conf, layer_ids: list[int]):
