@@ -656,6 +656,7 @@ def preflight(cfg: EyasConfig, stages: list[str]) -> None:
     from eyas.target import load_config as target_config
 
     _check_evaluate_bench(cfg, stages)
+    _check_target_weights(cfg, stages)
     tc = cfg.target
     if tc.chat_template.endswith(".jinja") and not Path(tc.chat_template).is_file():  # as load_tokenizer says
         raise ConfigError(f"target.chat_template={tc.chat_template!r}: no such file")
@@ -684,6 +685,15 @@ def _check_evaluate_bench(cfg: EyasConfig, stages: list[str]) -> None:
         from eyas.evaluate.inputs import load_bench
 
         load_bench(cfg.evaluate.bench, cfg.evaluate.num_questions)
+
+
+def _check_target_weights(cfg: EyasConfig, stages: list[str]) -> None:
+    """The target's weight files (their headers and sizes), where a stage of this run loads the
+    target: a file cut short is named before prepare, not when extract loads it."""
+    if any(s in stages for s in ("regenerate", "extract", "train", "evaluate")):
+        from eyas.target import check_weight_files
+
+        check_weight_files(cfg.target)
 
 
 def draft_shape(cfg: EyasConfig, target_conf, layer_ids: list[int]):

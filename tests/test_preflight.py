@@ -181,3 +181,31 @@ def test_a_read_only_run_directory_says_so_and_what_to_do(read_only_dir, command
         err = capsys.readouterr().err
         assert f"{read_only_dir}" in err and "may not write" in err and "--run_dir" in err, err
         assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage, said", [("cut", "bytes where its header says"), ("header", "its header is not valid JSON")])
+def test_a_damaged_target_weight_file_is_named_before_any_stage_runs(tmp_path, tiny_target, damage, said):
+    """A target model.safetensors cut short (an interrupted copy) or with a damaged header is named,
+    with what to do, before prepare runs and when a stage loads the target, where safetensors says only
+    "Error while deserializing header"."""
+    import shutil
+
+    from eyas.config import TargetConfig
+    from eyas.errors import ArtifactError
+    from eyas.run import main as run
+    from eyas.target import load_model
+
+    target = shutil.copytree(tiny_target, tmp_path / "target")
+    weights = target / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "cut":
+        del data[len(data) // 2:]
+    else:
+        data[12] ^= 0xFF  # inside the JSON header
+    weights.write_bytes(bytes(data))
+    match = rf"{weights}: a weight file of target\.model=.* is damaged \(.*{said}.*copy or download it again"
+    with pytest.raises(ArtifactError, match=match):
+        run(load_config(str(recipe(tmp_path, tiny_target)), [*run_args(tmp_path), f"--target.model={target}"]))
+    assert no_stage_ran(tmp_path / "run")
+    with pytest.raises(ArtifactError, match=match):
+        load_model(TargetConfig(model=str(target), dtype="float32"), device="cpu")
