@@ -8,7 +8,8 @@
   that few; each logged lr is the one its step used (the first step of a warmup, not the next);
 * a run whose draft ends bit-identical to its start fails;
 * a train.max_tokens so small that every row is cut before its first assistant token (nothing is
-  trained) is said so, naming --train.max_tokens, not blamed on the learning rate.
+  trained) is said so, naming --train.max_tokens, not blamed on the learning rate; so is a memory
+  limit hit in the steps (a real one: RLIMIT_AS), not left as the allocator's words alone.
 """
 
 from __future__ import annotations
@@ -96,3 +97,24 @@ def test_rows_cut_before_any_assistant_token_are_blamed_on_max_tokens_not_the_lr
         train(tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=3", "--train.max_tokens=8"))
     assert "no position was trained in 3 optimizer steps" in str(e.value) and "--train.max_tokens" in str(e.value)
     assert "train.lr" not in str(e.value)
+
+
+@pytest.mark.slow  # a subprocess that loads torch and trains: ~11 s
+@pytest.mark.parametrize("margin_mib", [64])
+def test_a_memory_limit_hit_in_the_steps_names_train_max_tokens(tmp_path, smol_prep, tiny_target, margin_mib):
+    """A real allocation failure: the address space limited (RLIMIT_AS, tests/train/memory_limit.py)
+    to what the process maps when training starts plus a little; the steps of 2048-token micro-batches
+    need more. Exit 2 naming --train.max_tokens and its value, not the allocator's words alone."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    helper = Path(__file__).with_name("memory_limit.py")
+    proc = subprocess.run([sys.executable, str(helper), str(margin_mib), "train", f"--run_dir={tmp_path}",
+                           f"--prepare.out_dir={smol_prep}", f"--target.model={tiny_target}", "--train.mode=online",
+                           "--train.ttt_steps=3", "--train.max_tokens=2048", "--train.max_steps=2",
+                           "--train.eval_fraction=0"], capture_output=True, text=True, timeout=300, check=False)
+    out = proc.stdout + proc.stderr
+    assert "[memory_limit] RLIMIT_AS" in out, out[-3000:]
+    assert proc.returncode == 2, out[-3000:]
+    assert "eyas train: error: train ran out of memory in its steps" in out and "lower --train.max_tokens (now 2048" in out
