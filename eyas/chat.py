@@ -172,7 +172,7 @@ def json_error_where(line: str, e: json.JSONDecodeError) -> str:
     body = line.rstrip("\r\n")
     open_string = e.msg.startswith("Unterminated string") and '"' not in body[e.pos + 1:]
     if e.pos >= len(body.rstrip()) or open_string:
-        return f"{e.msg.removesuffix(' starting at')}: the line ends (column {len(body) + 1}) before its JSON value " \
+        return f"{e.msg.removesuffix(' at').removesuffix(' starting')}: the line ends (column {len(body) + 1}) before its JSON value " \
                "is complete; was it cut short?"
     return f"{e.msg.removesuffix(' at')} at column {e.pos + 1}, after {body[max(0, e.pos - 30):e.pos]!r}"
 
