@@ -50,7 +50,7 @@ def _record(content) -> bytes:
 
 
 def invalid_utf8(m, work, rng):
-    data, line = _data_with(m, work, rng, _record("caf\u00e9 au lait").replace("\\u00e9".encode(), b"\xe9"))
+    data, line = _data_with(m, work, rng, _record("caf\u00e9 au lait").replace(b"\\u00e9", b"\xe9"))
     return _said(*_prepare(m, work, data), f"{data}:{line}: not valid UTF-8: byte 0xe9", "iconv")
 
 

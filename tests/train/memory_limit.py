@@ -7,6 +7,7 @@ import functools
 import re
 import resource
 import sys
+from pathlib import Path
 
 import eyas.train.loop
 from eyas.cli import main
@@ -15,7 +16,7 @@ from eyas.cli import main
 def limited(fit, margin_mib: int):
     @functools.wraps(fit)
     def run(*args, **kwargs):
-        mapped = int(re.search(r"VmSize:\s+(\d+)", open("/proc/self/status").read())[1]) * 1024
+        mapped = int(re.search(r"VmSize:\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024
         limit = mapped + (margin_mib << 20)
         resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
         print(f"[memory_limit] RLIMIT_AS {limit >> 20} MiB ({mapped >> 20} MiB mapped + {margin_mib})", flush=True)
