@@ -27,11 +27,12 @@ import bz2
 import gzip
 import json
 import lzma
+import sys
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from eyas.errors import ConfigError, DataError, exception_message
 
@@ -101,8 +102,10 @@ def data_suffix(p: Path) -> str:
     return Path(p.stem).suffix if p.suffix in COMPRESSED else p.suffix
 
 
-def iter_records(path: str, fmt: str = "auto") -> Iterator[tuple[str, dict[str, Any]]]:
-    """Yield (where, record) from a data source; `where` is file:line or file#index for errors."""
+def iter_records(path: str, fmt: str = "auto", on_bad: Callable[[DataError], None] | None = None
+                 ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield (where, record) from a data source; `where` is file:line or file#index for errors. With
+    `on_bad`, a JSONL line that cannot be read goes to it instead of failing the read."""
     from eyas import assets
 
     if path == "embedded:sharegpt":
@@ -119,7 +122,7 @@ def iter_records(path: str, fmt: str = "auto") -> Iterator[tuple[str, dict[str, 
         yield from _iter_hf(p)
         return
     if data_suffix(p) == ".jsonl":
-        yield from iter_jsonl(p)
+        yield from iter_jsonl(p, on_bad)
         return
     # .json: an array of records (parsed record by record) or, like .jsonl, one object per line
     with open_text(p) as f:
@@ -130,24 +133,35 @@ def iter_records(path: str, fmt: str = "auto") -> Iterator[tuple[str, dict[str, 
                 raise DataError(f"{p}#{i}: expected a JSON object per record, got {type(rec).__name__}")
             yield f"{p.name}#{i}", rec
     elif head.startswith("{"):
-        yield from iter_jsonl(p)
+        yield from iter_jsonl(p, on_bad)
     else:
         raise DataError(f"{p}:1: expected a JSON array of records or one JSON object per line")
 
 
-def iter_jsonl(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def iter_jsonl(p: Path, on_bad: Callable[[DataError], None] | None = None) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(file:line, record) per line; a line that cannot be read is a DataError, or goes to `on_bad`."""
     with open_text(p) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            check_utf8(line, p, lineno)
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{p}:{lineno}: malformed JSON line: {json_error_where(line, e)}") from None
-            if not isinstance(rec, dict):
-                raise DataError(f"{p}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
-            yield f"{p.name}:{lineno}", rec
+                yield f"{p.name}:{lineno}", read_line(p, lineno, line)
+            except DataError as e:
+                if on_bad is None:
+                    raise
+                on_bad(e)
+
+
+def read_line(p: Path, lineno: int, line: str) -> dict[str, Any]:
+    """One JSONL line as a record: UTF-8, JSON, an object, or a DataError naming p:lineno."""
+    check_utf8(line, p, lineno)
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{p}:{lineno}: malformed JSON line: {json_error_where(line, e)}") from None
+    if not isinstance(rec, dict):
+        raise DataError(f"{p}:{lineno}: expected a JSON object per line, got {type(rec).__name__}")
+    return rec
 
 
 def check_utf8(text: str, path: Path, lineno: int = 1) -> None:
@@ -310,19 +324,39 @@ def turn_reasoning(turn: dict[str, Any], where: str) -> str:
 
 
 def load_conversations(
-    path: str, fmt: str = "auto", limit: int = 0, system_prompt: str = ""
+    path: str, fmt: str = "auto", limit: int = 0, system_prompt: str = "", skip_bad: bool = False
 ) -> tuple[list[Conversation], Counter]:
-    """Read and normalise up to `limit` records (0 = all). Returns (conversations, counts by reason)."""
+    """Read and normalise up to `limit` records (0 = all). Returns (conversations, counts by reason).
+    `skip_bad` (prepare.skip_bad_records): a record that cannot be read or normalised is dropped and
+    counted as `dropped_bad_record` (the first few said on stderr) instead of failing the read."""
     counts: Counter = Counter()
     out: list[Conversation] = []
-    for where, rec in iter_records(path, fmt):
-        if limit and counts["records"] >= limit:
+    said: list[str] = []
+
+    def bad(e: DataError) -> None:
+        counts["dropped_bad_record"] += 1
+        if len(said) < 5:
+            said.append(str(e))
+
+    for where, rec in iter_records(path, fmt, bad if skip_bad else None):
+        if limit and counts["records"] + counts["dropped_bad_record"] >= limit:
             break
         counts["records"] += 1
-        conv = normalise(where, rec, fmt, counts, system_prompt)
+        try:
+            conv = normalise(where, rec, fmt, counts, system_prompt)
+        except DataError as e:
+            if not skip_bad:
+                raise
+            counts["records"] -= 1  # counted once, as a bad record
+            bad(e)
+            continue
         if conv is not None:
             conv.index = len(out)
             out.append(conv)
+    counts["records"] += counts["dropped_bad_record"]
+    if said:
+        print(f"[eyas:data] prepare.skip_bad_records: dropped {counts['dropped_bad_record']} record(s) that cannot "
+              "be read; the first:\n  " + "\n  ".join(said), file=sys.stderr, flush=True)
     if counts["records"] == 0:
         raise DataError(f"prepare.data={path!r} holds no records")
     if not out:

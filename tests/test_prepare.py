@@ -335,6 +335,30 @@ def test_null_content_and_image_parts_stay_empty_turns(tmp_path):
     assert counts["removed_empty_turn"] == 1
 
 
+def test_skip_bad_records_drops_and_counts_what_cannot_be_read(tmp_path, capsys):
+    """prepare.skip_bad_records: a byte that is not UTF-8, content that is a number and a cut line are
+    dropped and counted (dropped_bad_record, toward max_drop_fraction), the first named; off, the
+    first of them fails the stage (the tests above)."""
+    p = tmp_path / "mixed.jsonl"
+    bad = [b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', _record_bytes(42), b'{"messages": [']
+    p.write_bytes(b"\n".join([GOOD.encode()] * 6 + bad) + b"\n")
+    run = tmp_path / "run"
+    assert cli(["prepare", f"--run_dir={run}", f"--prepare.data={p}", "--prepare.skip_bad_records=true",
+                "--prepare.draft_vocab_size=100"]) == 0
+    err = capsys.readouterr().err
+    assert "dropped 3 record(s) that cannot be read" in err and "mixed.jsonl:7: not valid UTF-8" in err
+    assert "mixed.jsonl:8 (id mixed.jsonl:8): turn 0 'content': expected text" in err and "mixed.jsonl:9: malformed" in err
+    counts = json.loads((run / "prepare" / "meta.json").read_text())["counts"]
+    assert counts["records"] == 9 and counts["conversations_kept"] == 6 and counts["reasons"]["dropped_bad_record"] == 3
+    err = run_err(capsys, "prepare", f"--run_dir={tmp_path / 'strict'}", f"--prepare.data={p}",
+                  "--prepare.skip_bad_records=true", "--prepare.max_drop_fraction=0.2")
+    assert "dropped 3 of 9" in err and "dropped_bad_record" in err
+
+
+def _record_bytes(content) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "a"}]}).encode()
+
+
 def _write(p: Path, rows: list) -> Path:
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return p
