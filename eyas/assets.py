@@ -135,10 +135,11 @@ def iter_json_array(path: str | Path, stop_at_truncation: bool = True) -> Iterat
     With stop_at_truncation, a record cut off by the end of the file ends the iteration; any other
     malformed record is a DataError naming the file and line.
     """
-    from eyas.chat import open_text
+    from eyas.chat import check_utf8, open_text
 
     with open_text(Path(path)) as f:
         text = f.read()
+    check_utf8(text, path)
     dec = json.JSONDecoder()
     pos = _skip_ws(text, 0)
     if pos >= len(text) or text[pos] != "[":

@@ -76,41 +76,49 @@ def _own_section(command: str, overrides: list[str]) -> list[str]:
     return out
 
 
+STOPPING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop a command as Ctrl-C does (Terminated): a scheduler's or torchrun's SIGTERM, and
+SIGHUP from a closed terminal or ssh session."""
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt():
-    """SIGTERM raises Terminated (a KeyboardInterrupt) in this process, once: the run unwinds as on
-    Ctrl-C (summary.json, engines stopped) and exits 143; a second SIGTERM kills as by default.
-    Processes forked from this one (worker pools) keep the default: they just stop. Where Python
-    ignores the exception (a signal that lands in an at-fork hook, as when a DataLoader starts its
-    workers, is "Exception ignored in ..."), the signal is raised again at once."""
+    """SIGTERM or SIGHUP raises Terminated (a KeyboardInterrupt) in this process, once: the run
+    unwinds as on Ctrl-C (summary.json, engines stopped) and exits 128 + the signal (143, 129); the
+    same signal again kills as by default. Processes forked from this one (worker pools) keep the
+    default: they just stop. Where Python ignores the exception (a signal that lands in an at-fork
+    hook, as when a DataLoader starts its workers, is "Exception ignored in ..."), the signal is
+    raised again at once."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     pid = os.getpid()
 
     def handler(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signum, signal.SIG_DFL)
         if os.getpid() != pid:  # a forked child that inherited this handler: die as by default
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signum)
             return
-        TERMINATING[0] = True  # raised again between units of work if this one is swallowed
-        raise Terminated("SIGTERM")
+        TERMINATING[0] = signal.Signals(signum).name  # raised again between units of work if this one is swallowed
+        raise Terminated(TERMINATING[0])
 
     def unraisable(u) -> None:  # raised where Python ignores exceptions (an at-fork hook): raised again
         if isinstance(u.exc_value, Terminated) and os.getpid() == pid:  # from outside that hook, a moment later
-            signal.signal(signal.SIGTERM, handler)
-            threading.Timer(0.05, os.kill, (pid, signal.SIGTERM)).start()
+            signal.signal(u.exc_value.signum, handler)
+            threading.Timer(0.05, os.kill, (pid, u.exc_value.signum)).start()
             return
         hook(u)
 
-    previous, hook = signal.signal(signal.SIGTERM, handler), sys.unraisablehook
+    previous = {sig: signal.signal(sig, handler) for sig in STOPPING_SIGNALS}
+    hook = sys.unraisablehook
     sys.unraisablehook = unraisable
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, before in previous.items():
+            signal.signal(sig, before)
         sys.unraisablehook = hook
-        TERMINATING[0] = False
+        TERMINATING[0] = None
 
 
 def _locked_dir(command: str, cfg) -> Path | None:
@@ -141,6 +149,22 @@ def _disk_hint(e: BaseException) -> str:
                     "free space there (or "
                     "point --run_dir / the stage's out_dir at a larger disk) and run the same command again; it "
                     "continues from what was written whole")
+        e = e.__cause__ or e.__context__
+    return ""
+
+
+def _not_permitted(e: BaseException) -> str:
+    """For a failure to write or read a path this user may not (EACCES, EPERM) or on a read-only
+    filesystem (EROFS), anywhere in its cause chain: the path and what to do; "" for anything else."""
+    import errno
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and e.filename:
+            return (f"{e.strerror}: {e.filename}: a directory or file this user may not write (or read), or a "
+                    "read-only filesystem; give a --run_dir (or the stage's out_dir) where you can write, or change "
+                    "its permissions, and run the same command again")
         e = e.__cause__ or e.__context__
     return ""
 
@@ -186,13 +210,16 @@ def main(argv: list[str] | None = None) -> int:
     except EyasError as e:
         print(f"eyas {command}: error: {exception_message(e)}{_disk_hint(e)}", file=sys.stderr)
         return 2
-    except Terminated:
-        print(f"eyas {command}: terminated (SIGTERM)", file=sys.stderr)
-        return 143
+    except Terminated as e:
+        print(f"eyas {command}: terminated ({signal.Signals(e.signum).name})", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print(f"eyas {command}: interrupted", file=sys.stderr)
         return 130
     except BaseException as e:  # anything unexpected: type, message and the full traceback, exit 1
+        if _not_permitted(e):  # a permission of the user's machine, not a fault of eyas: exit 2, as an EyasError
+            print(f"eyas {command}: error: {_not_permitted(e)}", file=sys.stderr)
+            return 2
         d = describe_exception(e)
         print(f"eyas {command}: {d['type']}: {d['message']}\n{d['traceback']}{_disk_hint(e)}", file=sys.stderr)
         return 1

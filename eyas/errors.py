@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import traceback
 from typing import Any, Iterable
@@ -43,20 +44,26 @@ class DamagedArtifact(ArtifactError):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's stop, a preemption, torchrun stopping its workers) raised as an
-    interrupt, so that it unwinds as Ctrl-C does: the stage is marked interrupted in summary.json,
-    engines and child processes are stopped, and the command exits 143."""
+    """SIGTERM (a scheduler's stop, a preemption, torchrun stopping its workers) or SIGHUP (the
+    terminal or ssh session closed) raised as an interrupt, so that it unwinds as Ctrl-C does: the
+    stage is marked interrupted in summary.json, engines and child processes are stopped, and the
+    command exits 128 + the signal's number (143, 129)."""
+
+    def __init__(self, name: str = "SIGTERM"):
+        super().__init__(name)
+        self.signum = int(getattr(signal, name, signal.SIGTERM))
 
 
-TERMINATING = [False]
-"""Set once SIGTERM arrived (eyas.cli): `raise_if_terminated` raises it again where a library
-swallowed the first Terminated (an `except BaseException` that does not re-raise)."""
+TERMINATING: list = [None]
+"""The name of the stopping signal once one arrived (eyas.cli), else None: `raise_if_terminated`
+raises it again where a library swallowed the first Terminated (an `except BaseException` that does
+not re-raise)."""
 
 
 def raise_if_terminated() -> None:
     """Called between units of work (stages, chunks, batches, steps)."""
     if TERMINATING[0]:
-        raise Terminated("SIGTERM")
+        raise Terminated(TERMINATING[0])
 
 
 _URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/?#\s]*)@")

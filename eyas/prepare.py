@@ -470,7 +470,8 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
         raise ConfigError(f"prepare.draft_vocab_size={k} is larger than the target vocabulary ({vsize}); use <= {vsize}")
     out.mkdir(parents=True, exist_ok=True)
 
-    convs, counts = load_conversations(pc.data, pc.format, pc.max_conversations, pc.system_prompt)
+    convs, counts = load_conversations(pc.data, pc.format, pc.max_conversations, pc.system_prompt,
+                                       pc.skip_bad_records)
     if pc.reasoning == "drop":
         counts["reasoning_dropped"] += drop_reasoning(convs)
     ids, masks, kept = tokenize_in_workers(cfg, tok, convs, counts)

@@ -651,6 +651,8 @@ def preflight(cfg: EyasConfig, stages: list[str]) -> None:
     from eyas.capture import check_layer_ids, default_layer_ids
     from eyas.target import load_config as target_config
 
+    _check_evaluate_bench(cfg, stages)
+    _check_target_weights(cfg, stages)
     tc = cfg.target
     if tc.chat_template.endswith(".jinja") and not Path(tc.chat_template).is_file():  # as load_tokenizer says
         raise ConfigError(f"target.chat_template={tc.chat_template!r}: no such file")
@@ -670,6 +672,24 @@ def preflight(cfg: EyasConfig, stages: list[str]) -> None:
     if "evaluate" in stages and cfg.evaluate.bench not in ("mtbench", "embedded:mtbench") \
             and not Path(cfg.evaluate.bench).is_file():
         raise ConfigError(f"evaluate.bench={cfg.evaluate.bench!r}: not `mtbench` and no such file")
+
+
+def _check_evaluate_bench(cfg: EyasConfig, stages: list[str]) -> None:
+    """evaluate.bench read whole as evaluate reads it (each line a prompt, valid UTF-8), so that a
+    missing file or a malformed line fails the run before prepare, extract and train, not after."""
+    if "evaluate" in stages:
+        from eyas.evaluate.inputs import load_bench
+
+        load_bench(cfg.evaluate.bench, cfg.evaluate.num_questions)
+
+
+def _check_target_weights(cfg: EyasConfig, stages: list[str]) -> None:
+    """The target's weight files (their headers and sizes), where a stage of this run loads the
+    target: a file cut short is named before prepare, not when extract loads it."""
+    if any(s in stages for s in ("regenerate", "extract", "train", "evaluate")):
+        from eyas.target import check_weight_files
+
+        check_weight_files(cfg.target)
 
 
 def draft_shape(cfg: EyasConfig, target_conf, layer_ids: list[int]):

@@ -65,3 +65,35 @@ def test_a_recipe_with_a_key_twice_exits_2(tmp_path):
     p = subprocess.run([sys.executable, "-m", "eyas", "config", str(recipe)], capture_output=True, text=True)
     assert p.returncode == 2, p.stdout + p.stderr
     assert f"{recipe}:1" in p.stderr + p.stdout and f"{recipe}:3" in p.stderr + p.stdout
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    """A "billion laughs": each level a list of 9 aliases of the one before (9**levels values)."""
+    lines = ["regenerate:", "  extra_body:", '    a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for prev, name in zip("abcdefghij", "bcdefghij"[:levels - 1]):
+        lines.append(f"    {name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_not_expanded(tmp_path):
+    """`eyas config` on a config whose aliases expand to 9**9 values: refused at once, naming the
+    file and line, rather than hanging while it prints them."""
+    import subprocess
+    import sys
+
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(_alias_bomb())
+    proc = subprocess.run([sys.executable, "-m", "eyas", "config", str(bomb)], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"{bomb}: its aliases (*name) expand the value at line" in proc.stderr and "write the values out" in proc.stderr
+    with pytest.raises(ConfigError, match="--regenerate.extra_body: its aliases"):
+        flow = _alias_bomb().split("extra_body:\n", 1)[1].strip().replace("\n    ", ", ")
+        load_config(None, ["--regenerate.extra_body={" + flow + "}"])
+
+
+def test_yaml_aliases_at_a_configs_size_still_work(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("regenerate:\n  extra_body: {top_k: &k 20, min_k: *k}\n")
+    assert load_config(str(cfg), []).regenerate.extra_body == {"top_k": 20, "min_k": 20}
+    assert load_config(None, ["--regenerate.extra_body={a: &a [1, 2], b: *a}"]).regenerate.extra_body == {"a": [1, 2], "b": [1, 2]}

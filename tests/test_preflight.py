@@ -2,7 +2,8 @@
 checked before the first stage runs, not when the stage that needs it starts (after prepare,
 regenerate or extract have spent their time): aux layer ids against the target's layers (a
 multimodal wrapper's nested text config), the draft vocabulary against the target's, the draft's
-heads against its kv heads, and a local target path that does not exist."""
+heads against its kv heads, a local target path that does not exist and the evaluate bench file
+(read whole); and a run directory this user may not write to."""
 
 from __future__ import annotations
 
@@ -129,3 +130,82 @@ def test_a_draft_to_start_from_of_another_shape_is_refused_before_extract(tmp_pa
     assert "intermediate_size 128 there, 96 here" in capsys.readouterr().err
     assert not (run / "extract").exists()
     assert json.loads((run / "summary.json").read_text())["failed_stage"] == "train"
+
+
+@pytest.mark.parametrize("line, match", [
+    ('{"turns": ["fine"]}\n{"turns": ["cut', r"bench\.jsonl:2: malformed JSON line: .*cut short"),
+    ('{"turns": ["fine"]}\n{"turns": []}', r"bench\.jsonl:2: expected \{\"turns\""),
+    ('{"turns": ["caf\xe9"]}', r"bench\.jsonl:1: not valid UTF-8: byte 0xe9"),
+])
+def test_a_bad_evaluate_bench_file_is_refused_before_any_stage_runs(tmp_path, tiny_target, line, match):
+    """evaluate.bench is read whole in the preflight, as evaluate reads it: a malformed line fails the
+    run before prepare, not after training."""
+    from eyas.errors import DataError
+    from eyas.run import main as run
+
+    bench = tmp_path / "bench.jsonl"
+    bench.write_bytes(line.encode("latin-1"))
+    with pytest.raises(DataError, match=match):
+        run(load_config(str(recipe(tmp_path, tiny_target)), [*run_args(tmp_path), f"--evaluate.bench={bench}"]))
+    assert no_stage_ran(tmp_path / "run")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """An empty directory this process may not write into: mode 555, or for root (whom modes do not
+    stop) the immutable attribute (chattr +i; skipped where the filesystem has none)."""
+    import os
+    import subprocess
+
+    d = tmp_path / "read-only"
+    d.mkdir()
+    if os.geteuid() != 0:
+        d.chmod(0o555)
+        yield d
+        d.chmod(0o755)
+        return
+    if subprocess.run(["chattr", "+i", str(d)], capture_output=True, check=False).returncode != 0:
+        pytest.skip("root, and no chattr +i here to make a directory read-only")
+    try:
+        yield d
+    finally:
+        subprocess.run(["chattr", "-i", str(d)], check=True)
+
+
+@pytest.mark.parametrize("command", ["run", "prepare"])
+def test_a_read_only_run_directory_says_so_and_what_to_do(read_only_dir, command, capsys):
+    from eyas.cli import main as cli
+
+    for run_dir in (read_only_dir, read_only_dir / "run"):
+        assert cli([command, f"--run_dir={run_dir}", "--prepare.max_conversations=2"]) == 2
+        err = capsys.readouterr().err
+        assert f"{read_only_dir}" in err and "may not write" in err and "--run_dir" in err, err
+        assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage, said", [("cut", "bytes where its header says"), ("header", "its header is not valid JSON")])
+def test_a_damaged_target_weight_file_is_named_before_any_stage_runs(tmp_path, tiny_target, damage, said):
+    """A target model.safetensors cut short (an interrupted copy) or with a damaged header is named,
+    with what to do, before prepare runs and when a stage loads the target, where safetensors says only
+    "Error while deserializing header"."""
+    import shutil
+
+    from eyas.config import TargetConfig
+    from eyas.errors import ArtifactError
+    from eyas.run import main as run
+    from eyas.target import load_model
+
+    target = shutil.copytree(tiny_target, tmp_path / "target")
+    weights = target / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    if damage == "cut":
+        del data[len(data) // 2:]
+    else:
+        data[12] ^= 0xFF  # inside the JSON header
+    weights.write_bytes(bytes(data))
+    match = rf"{weights}: a weight file of target\.model=.* is damaged \(.*{said}.*copy or download it again"
+    with pytest.raises(ArtifactError, match=match):
+        run(load_config(str(recipe(tmp_path, tiny_target)), [*run_args(tmp_path), f"--target.model={target}"]))
+    assert no_stage_ran(tmp_path / "run")
+    with pytest.raises(ArtifactError, match=match):
+        load_model(TargetConfig(model=str(target), dtype="float32"), device="cpu")

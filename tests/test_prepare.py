@@ -279,6 +279,91 @@ def test_error_malformed_json_line(tmp_path, capsys):
     assert "bad.jsonl:2" in err and "malformed JSON" in err
 
 
+GOOD = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+
+
+def test_error_malformed_json_says_where_on_the_line(tmp_path, capsys):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(GOOD + '\n{"messages": [{"role": "user" "content": "q"}]}\n{"messages": [\n')
+    err = run_err(capsys, "prepare", f"--run_dir={tmp_path}", f"--prepare.data={p}")
+    assert "bad.jsonl:2" in err and "at column 31, after" in err and '"role": "user" ' in err
+    p.write_text(GOOD + '\n{"messages": [\n')  # a cut line: its end, not "column 1" of the next
+    err = run_err(capsys, "prepare", f"--run_dir={tmp_path}", f"--prepare.data={p}")
+    assert "bad.jsonl:2" in err and "the line ends (column 15)" in err and "column 1)" not in err
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_error_invalid_utf8_byte_names_line_and_column(tmp_path, capsys, suffix):
+    rec = '{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "a"}]}'
+    p = tmp_path / f"latin1{suffix}"
+    body = f"{GOOD}\n{GOOD}\n{rec}\n" if suffix == ".jsonl" else f"[{GOOD},\n{GOOD},\n{rec}]"
+    p.write_bytes(body.encode("latin-1"))
+    err = run_err(capsys, "prepare", f"--run_dir={tmp_path}", f"--prepare.data={p}")
+    assert f"latin1{suffix}:3: not valid UTF-8: byte 0xe9 at column" in err and "iconv" in err, err
+    assert "Traceback" not in err
+
+
+def test_error_lone_surrogate_names_the_turn(tmp_path, capsys):
+    p = tmp_path / "s.jsonl"
+    p.write_text(GOOD + "\n" + json.dumps({"id": "r2", "messages": [{"role": "user", "content": "q"},
+                 {"role": "assistant", "content": "half \ud800 pair"}]}) + "\n")
+    assert "\\ud800" in p.read_text()  # json.dumps escapes it, as a real file would hold it
+    err = run_err(capsys, "prepare", f"--run_dir={tmp_path}", f"--prepare.data={p}")
+    assert "s.jsonl:2 (id r2): turn 1 'content': a lone surrogate \\ud800 at character 6" in err, err
+
+
+@pytest.mark.parametrize("content, said", [
+    ([{"type": "text", "text": 5}], "turn 0 'content' part 0: the text must be a string, got int '5'"),
+    (42, "turn 0 'content': expected text (a string or a list of text parts), got int '42'"),
+    ({"text": "q"}, "turn 0 'content': expected text (a string or a list of text parts), got dict"),
+])
+def test_error_content_that_is_not_text_is_named_not_counted_empty(tmp_path, capsys, content, said):
+    p = tmp_path / "n.jsonl"
+    rows = [GOOD] * 3 + [json.dumps({"id": "r4", "messages": [{"role": "user", "content": content},
+                                                              {"role": "assistant", "content": "a"}]})]
+    p.write_text("\n".join(rows) + "\n")
+    err = run_err(capsys, "prepare", f"--run_dir={tmp_path}", f"--prepare.data={p}")
+    assert f"n.jsonl:4 (id r4): {said}" in err, err
+
+
+def test_null_content_and_image_parts_stay_empty_turns(tmp_path):
+    convs, counts = load_conversations(str(_write(tmp_path / "ok.jsonl", [
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}},
+                                                   {"type": "text", "text": "what is it?"}]},
+                      {"role": "assistant", "content": None}, {"role": "assistant", "content": "a cat"}]}])))
+    assert [m["content"] for m in convs[0].messages] == ["what is it?", "a cat"]
+    assert counts["removed_empty_turn"] == 1
+
+
+def test_skip_bad_records_drops_and_counts_what_cannot_be_read(tmp_path, capsys):
+    """prepare.skip_bad_records: a byte that is not UTF-8, content that is a number and a cut line are
+    dropped and counted (dropped_bad_record, toward max_drop_fraction), the first named; off, the
+    first of them fails the stage (the tests above)."""
+    p = tmp_path / "mixed.jsonl"
+    bad = [b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', _record_bytes(42), b'{"messages": [']
+    p.write_bytes(b"\n".join([GOOD.encode()] * 6 + bad) + b"\n")
+    run = tmp_path / "run"
+    assert cli(["prepare", f"--run_dir={run}", f"--prepare.data={p}", "--prepare.skip_bad_records=true",
+                "--prepare.draft_vocab_size=100"]) == 0
+    err = capsys.readouterr().err
+    assert "dropped 3 record(s) that cannot be read" in err and "mixed.jsonl:7: not valid UTF-8" in err
+    assert "mixed.jsonl:8 (id mixed.jsonl:8): turn 0 'content': expected text" in err and "mixed.jsonl:9: malformed" in err
+    counts = json.loads((run / "prepare" / "meta.json").read_text())["counts"]
+    assert counts["records"] == 9 and counts["conversations_kept"] == 6 and counts["reasons"]["dropped_bad_record"] == 3
+    err = run_err(capsys, "prepare", f"--run_dir={tmp_path / 'strict'}", f"--prepare.data={p}",
+                  "--prepare.skip_bad_records=true", "--prepare.max_drop_fraction=0.2")
+    assert "dropped 3 of 9" in err and "dropped_bad_record" in err
+
+
+def _record_bytes(content) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "a"}]}).encode()
+
+
+def _write(p: Path, rows: list) -> Path:
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
 def test_error_unknown_role(tmp_path, capsys):
     p = tmp_path / "r.jsonl"
     p.write_text(json.dumps({"id": "rec7", "messages": [{"role": "narrator", "content": "a"}]}) + "\n")

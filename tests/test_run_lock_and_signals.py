@@ -1,10 +1,10 @@
-"""What a run directory survives from outside: a second command on it, and SIGTERM.
+"""What a run directory survives from outside: a second command on it, SIGTERM and SIGHUP.
 
 * A second eyas command on a run directory another one holds stops at once, naming the holder
   (pid, host, command line), and touches nothing; a holder killed with SIGKILL leaves no lock.
 * SIGTERM (a scheduler's stop or a preemption) in the middle of `eyas run`'s training: exit 143,
   summary.json names the stage as interrupted with the signal, and the same command afterwards
-  continues from the stage directory it left.
+  continues from the stage directory it left. SIGHUP (a closed terminal) likewise, exit 129.
 """
 
 from __future__ import annotations
@@ -134,3 +134,31 @@ except Terminated:
 
 def test_a_sigterm_a_library_swallows_is_raised_again_before_the_next_unit_of_work():
     assert _said_by(SWALLOWED) == "terminated"
+
+
+def test_sighup_stops_the_run_as_sigterm_does_with_a_summary(tmp_path, smollm2_dir):
+    """SIGHUP (the terminal or ssh session closed) mid-stage: the stage is marked interrupted in
+    summary.json and the command exits 129 (128 + SIGHUP), as SIGTERM gives 143 — not killed bare.
+    The stage is prepare on enough conversations to take seconds."""
+    chats = write_synthetic_chats(tmp_path / "chats.jsonl", 2000, max_words=200)
+    run = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    log = tmp_path / "run.out"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "eyas", "run", f"--run_dir={run}", f"--target.model={smollm2_dir}",
+                                 f"--prepare.data={chats}"], stdout=f, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while "[eyas:run] prepare: running" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(60) == 129, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "eyas run: terminated (SIGHUP)" in log.read_text()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["failed_stage"] == "prepare" and summary["stages"]["prepare"]["status"] == "interrupted"
+    assert summary["stages"]["prepare"]["error"]["type"] == "eyas.errors.Terminated"
+    assert summary["stages"]["prepare"]["error"]["message"] == "SIGHUP"

@@ -79,7 +79,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         return from_dict(tp, value, prefix=where)
     if origin in (list, tuple):
         if isinstance(value, str):
-            value = yaml.safe_load(value)
+            try:
+                value = safe_load(value)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{where}: {e}") from None
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         item = args[0] if args else Any
@@ -183,7 +186,9 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             key, raw = body, "true"
         i += 1
         try:
-            value = yaml.safe_load(raw) if raw != "" else ""
+            value = safe_load(raw) if raw != "" else ""
+        except AliasBomb as e:
+            raise ConfigError(f"--{key}: {e}") from None
         except yaml.YAMLError:
             value = raw
         if value is None:
@@ -208,10 +213,53 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key given twice in one mapping (YAML keeps the last one, so a
-    second `train:` section would silently replace the first). Keys a `<<: *anchor` merge brings
-    in may still be set again: overriding them is what a merge is for."""
+MAX_YAML_VALUES = 100_000
+"""Values a YAML text may hold once its aliases are expanded: a config holds a few hundred; nested
+aliases (`b: [*a, *a, ...]`, a "billion laughs") multiply and would hang whatever walks the data."""
+
+
+class AliasBomb(yaml.YAMLError):
+    """A YAML text whose aliases expand past MAX_YAML_VALUES values."""
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that counts each composed document's values with its aliases expanded and
+    refuses it past MAX_YAML_VALUES (aliases and merge keys stay usable at a config's size)."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        _expanded_size(node, {}, set())
+        return node
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_: set[int]) -> int:
+    """Values under `node` with every alias expanded; each node is counted once (`sizes`), so this is
+    as fast as the text is long."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_:
+        raise AliasBomb(f"an alias refers to a value that holds it (line {node.start_mark.line + 1})")
+    open_.add(id(node))
+    children = node.value if isinstance(node, yaml.SequenceNode) else \
+        [n for kv in node.value for n in kv] if isinstance(node, yaml.MappingNode) else []
+    size = 1 + sum(_expanded_size(child, sizes, open_) for child in children)
+    open_.discard(id(node))
+    if size > MAX_YAML_VALUES:
+        raise AliasBomb(f"its aliases (*name) expand the value at line {node.start_mark.line + 1} to more than "
+                        f"{MAX_YAML_VALUES:,} values; write the values out instead of nesting aliases")
+    sizes[id(node)] = size
+    return size
+
+
+def safe_load(text: str) -> Any:
+    """yaml.safe_load, with aliases bounded (BoundedLoader)."""
+    return yaml.load(text, Loader=BoundedLoader)
+
+
+class _UniqueKeyLoader(BoundedLoader):
+    """BoundedLoader (aliases bounded) that also refuses a key given twice in one mapping (YAML keeps
+    the last one, so a second `train:` section would silently replace the first). Keys a
+    `<<: *anchor` merge brings in may still be set again: overriding them is what a merge is for."""
 
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, Any] = {}
@@ -237,6 +285,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:  # a stream: marks carry the file's name
             data = yaml.load(f, Loader=_UniqueKeyLoader)
+    except AliasBomb as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if data is None:

@@ -33,6 +33,11 @@ class PrepareConfig:
     draft_vocab_size: int = 0
     """Draft vocabulary size W: the most frequent target tokens over loss-masked positions.
     0 = min(32000, target vocab size); an explicit value larger than the target vocab is an error."""
+    skip_bad_records: bool = False
+    """Drop a record that cannot be read (a JSONL line that is not JSON or not UTF-8, a lone surrogate,
+    content that is not text, an unknown role), counted as dropped_bad_record with the first few named,
+    instead of failing on it; the drops count toward max_drop_fraction. (A JSON-array file is read
+    whole: a malformed one fails either way.) Off: the first such record is an error naming file:line."""
     max_drop_fraction: float = 0.5
     """Fail the stage when more than this fraction of conversations is dropped (any reason)."""
     batch_size: int = 256

@@ -13,6 +13,7 @@ import torch
 
 from eyas import artifacts
 from eyas.assets import sha256_file
+from eyas.chat import check_unicode, check_utf8, json_error_where, open_text
 from eyas.config import EyasConfig
 from eyas.errors import ConfigError, DataError, exception_message
 from eyas.evaluate.lossless import first_divergence
@@ -33,9 +34,10 @@ def load_bench(bench: str, num_questions: int = 0) -> list[dict[str, Any]]:
         if not path.is_file():
             raise ConfigError(f"evaluate.bench={bench!r}: not `mtbench` and no such file")
         questions = []
-        with open(path, encoding="utf-8") as f:
+        with open_text(path) as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
+                    check_utf8(line, path, lineno)
                     questions.append(_bench_record(path, lineno, line))
         if not questions:
             raise DataError(f"{path}: no prompts (expected one JSON object or string per line)")
@@ -46,7 +48,7 @@ def _bench_record(path: Path, lineno: int, line: str) -> dict[str, Any]:
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{lineno}: malformed JSON line: {e.msg}") from None
+        raise DataError(f"{path}:{lineno}: malformed JSON line: {json_error_where(line, e)}") from None
     if isinstance(rec, str):
         rec = {"turns": [rec]}
     elif isinstance(rec, dict) and "turns" not in rec and isinstance(rec.get("prompt"), str):
@@ -56,6 +58,8 @@ def _bench_record(path: Path, lineno: int, line: str) -> dict[str, Any]:
         raise DataError(
             f'{path}:{lineno}: expected {{"turns": [non-empty strings]}}, {{"prompt": "..."}} or a JSON string'
         )
+    for i, turn in enumerate(turns):
+        check_unicode(turn, f"{path}:{lineno}: turn {i}")
     return {"id": str(rec.get("question_id", rec.get("id", lineno))), "turns": turns}
 
 

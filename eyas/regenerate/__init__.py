@@ -228,7 +228,8 @@ def main(cfg: EyasConfig) -> dict[str, Any]:
     out = cfg.stage_dir("regenerate")
     out.mkdir(parents=True, exist_ok=True)
     tok = load_tokenizer(cfg.target)
-    convs, load_counts = load_conversations(pc.data, pc.format, pc.max_conversations, pc.system_prompt)
+    convs, load_counts = load_conversations(pc.data, pc.format, pc.max_conversations, pc.system_prompt,
+                                            pc.skip_bad_records)
     path = out / OUTPUT
     done = read_done(path)
     made = read_self_prompts(out / SELF_PROMPTS, path, cfg, done) if rc.self_prompts else None

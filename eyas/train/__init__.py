@@ -26,6 +26,7 @@ import time
 from typing import Any
 
 from eyas.config import EyasConfig
+from eyas.errors import EyasError
 
 
 def main(cfg: EyasConfig) -> dict[str, Any]:
@@ -68,6 +69,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out / "config.yaml", dump_config(cfg))
     barrier()
+    stepping = False
     late_s = time.time() - tc.stop_by
     if rank == 0 and tc.stop_by and late_s > 0:
         print(f"[eyas:train] warning: train.stop_by={tc.stop_by:.0f} passed {late_s:.0f} s ago: "
@@ -97,6 +99,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
             print(f"[eyas:train] {tc.mode}: {len(train_idx)} train / {len(eval_idx)} eval samples, {sched.total} steps, "
                   f"draft {tr.draft.num_trainable_parameters():,} parameters, {tr.attention} attention, "
                   f"world size {world_size}" + (f", resuming from {resume}" if resume else ""), flush=True)
+        stepping = True  # an allocation that fails from here on: the micro-batch's size (train.max_tokens) is the knob
         metrics = fit(tr, sched, data.source, eval_fn, out, dcfg, resume, pad, workers)
         if tr.init_from:
             data.inputs["init_from"] = tr.init_from
@@ -128,4 +131,26 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
                                                                         if f.name != "meta.json"]))
     except Exception as e:  # recorded (type, message, traceback; the step and samples) in errors.jsonl, re-raised
         record_failure(out, e, rank, **getattr(e, "eyas_context", {}))
+        if out_of_memory(e) and stepping:
+            raise EyasError(f"train ran out of memory in its steps ({out_of_memory(e)}): lower --train.max_tokens "
+                            f"(now {tc.max_tokens}: the tokens of one micro-batch; --train.grad_accum keeps the tokens "
+                            "of an optimizer step) and run again (--train.resume=auto continues from the last "
+                            "checkpoint)") from e
+        if out_of_memory(e):
+            raise EyasError(f"train ran out of memory before its first step, loading its data or models "
+                            f"({out_of_memory(e)}): free memory or run on a machine with more") from e
         raise
+
+
+def out_of_memory(e: BaseException) -> str:
+    """The allocator's own words when `e` (or its cause) is an allocation that failed (Python's
+    MemoryError, torch's CPU allocator, CUDA out of memory), else ""."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = str(e)
+        if isinstance(e, MemoryError) or (isinstance(e, RuntimeError) and any(
+                w in text for w in ("out of memory", "can't allocate memory", "Cannot allocate memory"))):
+            return f"{type(e).__name__}: {text.strip().splitlines()[-1] if text.strip() else 'no message'}"[:300]
+        e = e.__cause__ or e.__context__
+    return ""

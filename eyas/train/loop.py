@@ -48,13 +48,26 @@ class CollapseWatch:
     1e-7 relative) at step-0 accuracy 0. `check` raises TrainingCollapsed at `limit` such steps, or
     at the end of a shorter run when its second half collapsed."""
 
-    def __init__(self, limit: int, total: int, lr: float):
-        self.limit, self.total, self.lr = limit, total, lr
+    def __init__(self, limit: int, total: int, lr: float, max_tokens: int = 0):
+        self.limit, self.total, self.lr, self.max_tokens = limit, total, lr, max_tokens
         self.dead = 0  # trailing steps with a zero gradient norm
         self.flat = 0  # trailing steps of windows with an unchanged loss at accuracy 0
         self.last_loss: float | None = None
+        self.windows = self.valid = 0  # logged windows, and the positions trained in all of them
+
+    def nothing_trained(self, steps: int) -> str:
+        """Why a draft learnt nothing when no window trained a position ("" when some did, or none was
+        logged): every row was cut at train.max_tokens before its first assistant token."""
+        if not self.windows or self.valid:
+            return ""
+        return (f"no position was trained in {steps} optimizer steps: each packed row is cut at train.max_tokens="
+                f"{self.max_tokens} tokens, and no sample has an assistant (loss-masked) token that early (its "
+                "prompt and template come first). Raise --train.max_tokens to at least the length of a sample "
+                "(prepare.max_length)")
 
     def check(self, done: int, step_norms: list[float], rec: dict[str, Any]) -> None:
+        self.windows += 1
+        self.valid += sum(rec["valid_T"])
         if not self.limit:
             return
         trained = sum(rec["valid_T"]) > 0
@@ -67,6 +80,8 @@ class CollapseWatch:
         limit = self.limit if done < self.total else min(self.limit, max(2, self.total // 2))
         worst = max(self.dead, self.flat)
         if worst >= limit:
+            if self.nothing_trained(done):
+                raise TrainingCollapsed(f"training stopped at step {done}: {self.nothing_trained(done)}")
             what = (f"the gradient norm was exactly 0 over the last {self.dead} steps" if self.dead >= self.flat else
                     f"the loss stayed at {loss:.6g} with step-0 accuracy 0 over the last {self.flat} steps")
             raise TrainingCollapsed(
@@ -476,7 +491,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
 
     step, epoch = start, sched.position(start)[0]
     end, t_fit = sched.total, time.perf_counter()
-    watch = CollapseWatch(tc.collapse_steps, sched.total, tc.lr)
+    watch = CollapseWatch(tc.collapse_steps, sched.total, tc.lr, tc.max_tokens)
     before = draft_fingerprint(tr.model)
     tr.model.train()
     windows = Lookahead(tr, micro_batches(tr, sched, source, start, pad_multiple, num_workers), start)
@@ -546,6 +561,8 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
     windows.close()  # a window prepared for a step past the time budget is dropped before evaluation
     changed = torch.tensor(float(not torch.equal(before, draft_fingerprint(tr.model))), device=tr.device)
     if start < end and float(all_reduce_sum(changed).item()) == 0:  # one verdict on every rank
+        if watch.nothing_trained(end - start):  # (its counts are global: the same verdict on every rank)
+            raise TrainingCollapsed(f"the draft did not change: {watch.nothing_trained(end - start)}")
         raise TrainingCollapsed(f"the draft did not change in {end - start} optimizer steps (train.lr={tc.lr:g}, "
                                 f"last gradient norm {last_train.get('grad_norm', 0.0):.3g}): nothing was trained")
     if eval_loader_fn is not None:

@@ -6,7 +6,10 @@
 * the counting itself, on hand-made windows (a window without trained positions is no collapse);
 * data that makes fewer than FEW_STEPS optimizer steps is refused unless train.max_steps asks for
   that few; each logged lr is the one its step used (the first step of a warmup, not the next);
-* a run whose draft ends bit-identical to its start fails.
+* a run whose draft ends bit-identical to its start fails;
+* a train.max_tokens so small that every row is cut before its first assistant token (nothing is
+  trained) is said so, naming --train.max_tokens, not blamed on the learning rate; so is a memory
+  limit hit in the steps (a real one: RLIMIT_AS), not left as the allocator's words alone.
 """
 
 from __future__ import annotations
@@ -74,3 +77,44 @@ def test_a_draft_that_did_not_change_fails_the_run(tmp_path, smol_prep, tiny_tar
     """At lr 1e-30 every update rounds away in fp32: three steps, the same draft."""
     with pytest.raises(TrainingCollapsed, match=r"the draft did not change in 3 optimizer steps \(train.lr=1e-30"):
         train(tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=3", "--train.lr=1e-30"))
+
+
+def test_the_watch_says_when_no_window_trained_a_position():
+    w = CollapseWatch(limit=3, total=100, lr=1e-4, max_tokens=8)
+    for done in (1, 2, 3):
+        w.check(done, [0.0], rec(0.0, valid=0))  # a frozen loss at accuracy 0, but nothing was trained
+    with pytest.raises(TrainingCollapsed, match=r"step 4: no position was trained .*train\.max_tokens=8.*Raise --train\.max_tokens"):
+        w.check(4, [0.0], rec(0.0, valid=0))
+    w = CollapseWatch(limit=3, total=100, lr=1e-4, max_tokens=8)
+    w.check(1, [0.0], rec(0.0, valid=2))
+    assert w.nothing_trained(1) == ""
+
+
+def test_rows_cut_before_any_assistant_token_are_blamed_on_max_tokens_not_the_lr(tmp_path, smol_prep, tiny_target):
+    """train.max_tokens=8: every sample cut to its first 8 tokens (the template's system prompt), no
+    position trained, the draft unchanged."""
+    with pytest.raises(TrainingCollapsed) as e:
+        train(tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=3", "--train.max_tokens=8"))
+    assert "no position was trained in 3 optimizer steps" in str(e.value) and "--train.max_tokens" in str(e.value)
+    assert "train.lr" not in str(e.value)
+
+
+@pytest.mark.slow  # a subprocess that loads torch and trains: ~11 s
+@pytest.mark.parametrize("margin_mib", [64])
+def test_a_memory_limit_hit_in_the_steps_names_train_max_tokens(tmp_path, smol_prep, tiny_target, margin_mib):
+    """A real allocation failure: the address space limited (RLIMIT_AS, tests/train/memory_limit.py)
+    to what the process maps when training starts plus a little; the steps of 2048-token micro-batches
+    need more. Exit 2 naming --train.max_tokens and its value, not the allocator's words alone."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    helper = Path(__file__).with_name("memory_limit.py")
+    proc = subprocess.run([sys.executable, str(helper), str(margin_mib), "train", f"--run_dir={tmp_path}",
+                           f"--prepare.out_dir={smol_prep}", f"--target.model={tiny_target}", "--train.mode=online",
+                           "--train.ttt_steps=3", "--train.max_tokens=2048", "--train.max_steps=2",
+                           "--train.eval_fraction=0"], capture_output=True, text=True, timeout=300, check=False)
+    out = proc.stdout + proc.stderr
+    assert "[memory_limit] RLIMIT_AS" in out, out[-3000:]
+    assert proc.returncode == 2, out[-3000:]
+    assert "eyas train: error: train ran out of memory in its steps" in out and "lower --train.max_tokens (now 2048" in out
