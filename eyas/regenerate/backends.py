@@ -31,6 +31,7 @@ import email.utils
 import http.client
 import json
 import os
+import queue
 import random
 import sys
 import threading
@@ -38,7 +39,6 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,17 +261,8 @@ class ServerBackend:
         """Answers to the chats (earlier assistant turns carry their `reasoning_content`: the
         server's chat template decides whether to show it, as for any client)."""
         self.stop.clear()
-        with ThreadPoolExecutor(max_workers=self.rc.concurrency) as pool:
-            futures = [pool.submit(self._one, p, i) for p, i in zip(prompts, ids)]
-            try:
-                for done in as_completed(futures):
-                    done.result()  # the first failure raises here
-            except BaseException:  # the requests not sent are not sent; those in flight retry no more
-                self.stop.set()
-                for f in futures:
-                    f.cancel()
-                raise
-        return [f.result() for f in futures]
+        return in_daemon_threads([lambda p=p, i=i: self._one(p, i) for p, i in zip(prompts, ids)],
+                                 self.rc.concurrency, self.stop)
 
     def _one(self, messages: list[dict[str, str]], conv_id: str) -> Answer:
         """One answer, retried (connection errors, 429/5xx, stalls, not JSON, cut off, empty) with
@@ -433,6 +424,44 @@ class ServerBackend:
             raise _Retry(f"a malformed answer: {redact(str(payload)[:500])} ({type(e).__name__}: "
                          f"{exception_message(e)})") from None
         return text, reasoning, n, choice.get("finish_reason") or "stop"
+
+
+def in_daemon_threads(calls: list, n: int, stop: threading.Event) -> list:
+    """[call() for call in calls], `n` at a time in daemon threads; the first error is raised as soon
+    as it happens, with `stop` set (no further call starts; the retry loops of those in flight end).
+    Daemon threads, not a ThreadPoolExecutor: its workers are joined when Python exits, so a request
+    held by a server (up to regenerate.stall_s) would keep a stopped command (SIGTERM, Ctrl-C, an
+    error) from exiting; a daemon thread ends with the process."""
+    results: list = [None] * len(calls)
+    todo = iter(enumerate(calls))
+    lock, ended = threading.Lock(), queue.Queue()
+
+    def worker() -> None:
+        try:
+            while not stop.is_set():
+                with lock:
+                    item = next(todo, None)
+                if item is None:
+                    break
+                results[item[0]] = item[1]()
+        except BaseException as e:  # handed to the caller's thread, which raises it
+            stop.set()
+            ended.put(e)
+            return
+        ended.put(None)
+
+    threads = [threading.Thread(target=worker, daemon=True, name=f"eyas-request-{k}") for k in range(min(n, len(calls)))]
+    for t in threads:
+        t.start()
+    try:
+        for _ in threads:  # Queue.get is interrupted by a signal's exception (SIGTERM, Ctrl-C)
+            failure = ended.get()
+            if failure is not None:
+                raise failure
+    except BaseException:
+        stop.set()
+        raise
+    return results
 
 
 def retry_wait(attempt: int, retry_after: float | None, rng: random.Random) -> float:

@@ -385,3 +385,41 @@ def test_an_api_key_the_server_echoes_is_redacted_everywhere_and_the_hint_says_i
     assert "invalid API key: Bearer ***" in summary and "invalid API key: Bearer ***" in out.err
     assert "the server refused the API key in EYAS_TEST_SERVER_KEY (regenerate.server_api_key_env)" in out.err
     assert "put it in an environment variable" not in out.err
+
+
+def test_sigterm_stops_regenerate_at_once_while_the_server_holds_its_requests(tmp_path, data, smollm2_dir):
+    """A server that holds its requests (no byte for up to regenerate.stall_s = 120 s here) does not
+    hold a stopped command: SIGTERM ends `eyas run` within seconds with exit 143 and regenerate
+    marked interrupted in summary.json (its request threads end with the process)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    log = tmp_path / "run.out"
+    with ChatServer(mode="stall") as srv, open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eyas", "run", f"--run_dir={run}", f"--target.model={smollm2_dir}",
+             f"--prepare.data={data}", "--regenerate.enabled=true", "--regenerate.backend=server",
+             f"--regenerate.server_url={srv.url}", "--regenerate.stall_s=120", "--regenerate.concurrency=2",
+             "--stop_after=regenerate"],
+            stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        try:
+            deadline = time.monotonic() + 120
+            while srv.requests < 2 and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert proc.poll() is None and srv.requests >= 2, log.read_text()[-3000:]
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(60)
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            srv.mode = "fail"  # the held requests end (into closed sockets)
+    assert rc == 143 and took < 15, (rc, took, log.read_text()[-3000:])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["failed_stage"] == "regenerate" and summary["stages"]["regenerate"]["status"] == "interrupted"
