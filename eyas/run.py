@@ -389,7 +389,8 @@ def run_alone(stage: str, stage_cfg: EyasConfig, through: str = "") -> int | Ran
     if through and rc != 0:  # `eyas run` in the child wrote summary.json, naming the stage that failed
         raise ApartRunFailed(f"{what} in vLLM stopped with exit status {rc} (its error is printed above; the stage "
                              f"that failed: {stage_cfg.run_dir}/summary.json)")
-    if rc not in (0, 1):  # 1: a complete extract that skipped samples, judged like the stage's own return
+    # extract's 1: complete, but it skipped samples (judged like the stage's own return); any other stage's: a crash
+    if rc != 0 and not (rc == 1 and stage == "extract"):
         raise EyasError(f"{what} in vLLM stopped with exit status {rc} (its error is printed above)")
     return RanThrough(through) if through else rc
 
@@ -663,6 +664,8 @@ def preflight(cfg: EyasConfig, stages: list[str]) -> None:
     if "prepare" in stages and cfg.prepare.draft_vocab_size > vocab_size:
         raise ConfigError(f"prepare.draft_vocab_size={cfg.prepare.draft_vocab_size} is larger than the target "
                           f"vocabulary ({vocab_size}); use <= {vocab_size}")
+    _check_evaluate_draft(cfg, stages)
+    _check_vllm_evaluate(cfg, stages)
     if "extract" not in stages and "train" not in stages:
         return
     n = int(conf.num_hidden_layers)
@@ -674,6 +677,26 @@ def preflight(cfg: EyasConfig, stages: list[str]) -> None:
     if "evaluate" in stages and cfg.evaluate.bench not in ("mtbench", "embedded:mtbench") \
             and not Path(cfg.evaluate.bench).is_file():
         raise ConfigError(f"evaluate.bench={cfg.evaluate.bench!r}: not `mtbench` and no such file")
+
+
+def _check_evaluate_draft(cfg: EyasConfig, stages: list[str]) -> None:
+    """A draft named in evaluate.draft that is already there must fit the target (as evaluate checks
+    at its start, whichever backend), before the stages ahead of evaluate run."""
+    from eyas.draft_files import find
+    from eyas.evaluate.decoding import check_draft_files_fit
+
+    files = find(cfg.evaluate.draft) if "evaluate" in stages and cfg.evaluate.draft else None
+    if files is not None:
+        check_draft_files_fit(cfg, files)
+
+
+def _check_vllm_evaluate(cfg: EyasConfig, stages: list[str]) -> None:
+    """evaluate.backend=vllm: what that evaluator refuses at its start (no vLLM, an MLA target on
+    vLLM's CPU build), refused before training, not after it."""
+    if "evaluate" in stages and cfg.evaluate.backend == "vllm":
+        from eyas.evaluate.vllm import check_supported
+
+        check_supported(cfg)
 
 
 def draft_shape(cfg: EyasConfig, target_conf, layer_ids: list[int]):

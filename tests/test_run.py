@@ -513,6 +513,28 @@ def test_a_stage_run_apart_from_the_ranks_dies_with_its_rank(tmp_path):
     assert orphan.returncode == 143
 
 
+def test_a_stage_run_apart_that_crashes_is_its_failure_not_a_missing_output(tmp_path):
+    """run_alone's child exiting 1 with a traceback (here evaluate, on a target whose config.json
+    transformers cannot read) fails the stage with that exit status; only extract's 1 (complete, but
+    it skipped samples) is an output to judge. Before, summary.json blamed the evaluate output the
+    crash never wrote ("holds no complete evaluate output")."""
+    from transformers import LlamaConfig
+
+    from eyas.config import load_config
+    from eyas.errors import EyasError
+    from eyas.run import run_alone
+    from tests.test_preflight import draft_for_layers
+
+    SHAPE = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    cfg = load_config(None, [f"--run_dir={tmp_path / 'run'}", f"--target.model={target}", "--evaluate.mode=chain",
+                             f"--evaluate.draft={draft_for_layers(tmp_path / 'draft', SHAPE, 4, [1, 2, 3])}"])
+    with pytest.raises(EyasError, match=r"evaluate in vLLM stopped with exit status 1"):
+        run_alone("evaluate", cfg)
+
+
 def test_a_run_key_hashes_only_the_settings_that_differ_from_their_defaults(tmp_path):
     """A field a later eyas adds at its default leaves the run keys alone (an upgrade re-runs and
     removes nothing): a setting given at its default value keys like one not given; any other value
