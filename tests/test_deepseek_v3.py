@@ -166,3 +166,22 @@ def test_the_8_gpu_recipe_in_one_torchrun_command(tmp_path, smollm2_dir):
     assert "[eyas:run] rank 1: train" in follower and "extract" not in follower
     draft = json.loads((run / "export" / "speculators" / "config.json").read_text())["transformer_layer_config"]
     assert (draft["num_attention_heads"], draft["num_key_value_heads"], draft["head_dim"]) == (2, 1, 128)
+
+
+@needs_vllm
+def test_evaluating_in_vllm_behind_an_mla_target_on_cpu_is_refused_before_any_stage_runs(tmp_path, smollm2_dir):
+    """`eyas run --evaluate.backend=vllm` with an MLA target on vLLM's CPU build (which cannot serve a
+    draft behind it, above): exit 2 naming the fix before the first stage, not exit 1 after training."""
+    from tests.vllm_serving import REPO
+
+    target = save_deepseek_v3(tmp_path / "target", smollm2_dir)
+    chats = write_synthetic_chats(tmp_path / "chats.jsonl", 4)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env["PYTHONPATH"] = str(REPO)  # this checkout's eyas in the vLLM venv
+    res = subprocess.run([str(vllm_python()), "-m", "eyas", "run", f"--run_dir={tmp_path / 'run'}",
+                          f"--target.model={target}", f"--prepare.data={chats}", "--regenerate.enabled=false",
+                          "--prepare.draft_vocab_size=500", "--evaluate.backend=vllm", "--evaluate.mode=chain"],
+                         env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "evaluate.backend=vllm with an MLA target" in res.stderr and "--evaluate.backend=hf" in res.stderr
+    assert not any((tmp_path / "run" / s).exists() for s in ("prepare", "extract", "train"))
