@@ -34,7 +34,7 @@ from eyas.spec import speculative_generate, target_generate
 from tests.extract.test_vllm_backend import needs_vllm
 from tests.data import write_synthetic_chats
 from tests.models import DEEPSEEK_V3_YARN, fitted_draft, greedy_sequences, load_target, save_deepseek_v3, save_tiny
-from tests.vllm_serving import run_large_target_recipe, run_vllm, vllm_python
+from tests.vllm_serving import run_large_target_recipe, run_vllm, vllm_env, vllm_python
 
 AUX = [1, 2, 3]
 
@@ -172,12 +172,9 @@ def test_the_8_gpu_recipe_in_one_torchrun_command(tmp_path, smollm2_dir):
 def test_evaluating_in_vllm_behind_an_mla_target_on_cpu_is_refused_before_any_stage_runs(tmp_path, smollm2_dir):
     """`eyas run --evaluate.backend=vllm` with an MLA target on vLLM's CPU build (which cannot serve a
     draft behind it, above): exit 2 naming the fix before the first stage, not exit 1 after training."""
-    from tests.vllm_serving import REPO
-
     target = save_deepseek_v3(tmp_path / "target", smollm2_dir)
     chats = write_synthetic_chats(tmp_path / "chats.jsonl", 4)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env["PYTHONPATH"] = str(REPO)  # this checkout's eyas in the vLLM venv
+    env = vllm_env()
     res = subprocess.run([str(vllm_python()), "-m", "eyas", "run", f"--run_dir={tmp_path / 'run'}",
                           f"--target.model={target}", f"--prepare.data={chats}", "--regenerate.enabled=false",
                           "--prepare.draft_vocab_size=500", "--evaluate.backend=vllm", "--evaluate.mode=chain"],

@@ -82,6 +82,14 @@ def merge_counts(counts: list[dict]) -> dict:
 # --- the vLLM venv -------------------------------------------------------------------------------
 
 
+def vllm_env(**extra: str) -> dict[str, str]:
+    """The environment of a process in the vLLM venv: this process's without its Python settings, but
+    with this checkout first on the path (the venv's eyas is an editable install of another one)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(PYTHONPATH=str(REPO), **extra)
+    return env
+
+
 def vllm_python() -> Path | None:
     venv = Path(os.environ.get("EYAS_VLLM_VENV") or REPO / ".venv-vllm")
     py = venv / "bin" / "python"
@@ -95,8 +103,7 @@ def run_vllm(job: dict, work: Path, timeout_s: int = 1500) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     job_path, result_path, log_path = work / "job.json", work / "result.json", work / "vllm.log"
     job_path.write_text(json.dumps(job))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.run(
@@ -155,8 +162,7 @@ def run_large_target_recipe(recipe_name: str, target: Path, chats: Path, run: Pa
                  "--train.max_tokens=256", "--train.num_attention_heads=2", "--train.num_key_value_heads=1",
                  "--train.intermediate_size=256", "--evaluate.backend=hf", "--evaluate.num_questions=1",
                  "--evaluate.max_new_tokens=8", *(() if regenerate else ("--regenerate.enabled=false",))]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # eyas binds the threads itself
     res = subprocess.run([str(vllm_python()), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                           "-m", "eyas", "run", str(recipe), *cpu_sized], env=env, capture_output=True, text=True,

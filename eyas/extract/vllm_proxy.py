@@ -323,7 +323,7 @@ def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
             checks.append((name, states[at: at + t.numel()], t))
             at += t.numel()
         try:
-            parity = check_parity(backend, checks, tol)
+            parity = check_parity(backend, checks, tol, proxy=True)
         except ParityError as e:
             raise EyasError(f"vLLM disagrees with transformers on a tiny random model of the target's architecture "
                             f"({directory}): {e}. The target's own run would store such states: it does not start") from e

@@ -37,7 +37,7 @@ from eyas.extract.backend import relative_error
 from eyas.extract.vllm_backend import VLLMRequestError, engine_kwargs, load_final_norm, read_request
 from tests.data import write_shared_prefix_chats
 from tests.models import save_tiny
-from tests.vllm_serving import vllm_python
+from tests.vllm_serving import vllm_env, vllm_python
 
 
 def needs_vllm(test):
@@ -167,8 +167,7 @@ def test_reader_waits_for_the_connectors_lock(tmp_path):
 
 def run_eyas_vllm(args: list[str], log: Path, timeout_s: int = 600) -> subprocess.CompletedProcess:
     """`eyas ...` in the vLLM venv (eyas is installed there, editable, by scripts/vllm-venv.sh)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
     with open(log, "w") as f:
         return subprocess.run([str(vllm_python()), "-m", "eyas", *args], stdout=f, stderr=subprocess.STDOUT,
                               env=env, timeout=timeout_s, cwd=str(log.parent))
