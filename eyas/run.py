@@ -156,8 +156,8 @@ def claim_stage_dir(stage: str, out: Path, key: str, fresh: bool = False,
                             f"removed; delete it yourself to run {stage} again there, or point --{stage}.out_dir (or "
                             "--run_dir) elsewhere")
         same = stored == key
-        if same and not fresh:
-            return True
+        if same and not fresh:  # resumed when there is something to resume: a claim alone (a parent `eyas run`
+            return any(p.name != MARKER for p in out.iterdir())  # that ran it apart) is a fresh start
         why = why_fresh if same else "made with other settings"
         print(f"[eyas:run] {stage}: removing {out} ({why})", flush=True)
         shutil.rmtree(out)
@@ -368,7 +368,7 @@ def run_alone(stage: str, stage_cfg: EyasConfig, through: str = "") -> int | Ran
         stage_cfg.stop_after = through
     artifacts.atomic_write_text(config, dump_config(stage_cfg, secrets=True))  # read by the child, then deleted
     config.chmod(0o600)
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    env = apart_env(through)
     what = f"{stage} to {through}" if through else stage
     print(f"[eyas:run] {what}: in vLLM, one process apart from the ranks: {sys.executable} -m eyas {command} {config}",
           flush=True)
@@ -393,6 +393,20 @@ def run_alone(stage: str, stage_cfg: EyasConfig, through: str = "") -> int | Ran
     if rc != 0 and not (rc == 1 and stage == "extract"):
         raise EyasError(f"{what} in vLLM stopped with exit status {rc} (its error is printed above)")
     return RanThrough(through) if through else rc
+
+
+APART = "EYAS_RUN_THROUGH"
+"""Set for the child `eyas run` that runs stages apart up to a stage (run_alone's `through`): its
+stop_after is the parent's doing, and the run goes on there."""
+
+
+def apart_env(through: str = "") -> dict[str, str]:
+    """The environment of a stage run apart: this one without torchrun's variables (and with APART
+    naming the last stage when the child is `eyas run` up to it)."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    if through:
+        env[APART] = through
+    return env
 
 
 class ApartRunFailed(EyasError):
@@ -637,7 +651,9 @@ def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfi
         if s == "train":
             _plot(cfg)
         if s == cfg.stop_after and s != stages[-1]:
-            print(f"[eyas:run] stop_after={s}: stopping here; run the same command without it to continue", flush=True)
+            print(f"[eyas:run] {s}: done in this process apart; the run goes on in the ranks' `eyas run`"
+                  if os.environ.get(APART) == s else
+                  f"[eyas:run] stop_after={s}: stopping here; run the same command without it to continue", flush=True)
             return record
     raise_if_terminated()
     record.update(_evaluation(cfg.stage_dir("evaluate")) if "evaluate" in stages else {})
@@ -781,10 +797,13 @@ def _record_failure(cfg: EyasConfig, run_dir: Path, record: dict[str, Any], stag
         print(f"[eyas:run] {stage} and the stages after it ran in one process apart, which stopped; what it did: "
               f"{run_dir / 'summary.json'}", file=sys.stderr, flush=True)
         return
+    from eyas.cli import exit_status
+
     status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
     record["stages"][stage] = {"status": status, "dir": str(out), "wall_s": round(wall, 2),
                                "error": describe_exception(exc)}
     record["failed_stage"] = stage
+    record["exit_status"] = exit_status(exc)  # eyas's own (torchrun reports 1 for any failed rank)
     try:
         results = cfg.stage_dir("evaluate") / "results.json"
         if stage == "evaluate" and results.is_file() and results.stat().st_mtime >= started:

@@ -171,7 +171,8 @@ def test_the_8_gpu_recipe_in_one_torchrun_command(tmp_path, smollm2_dir):
 @needs_vllm
 def test_evaluating_in_vllm_behind_an_mla_target_on_cpu_is_refused_before_any_stage_runs(tmp_path, smollm2_dir):
     """`eyas run --evaluate.backend=vllm` with an MLA target on vLLM's CPU build (which cannot serve a
-    draft behind it, above): exit 2 naming the fix before the first stage, not exit 1 after training."""
+    draft behind it, above): exit 2 naming the fix before the first stage, not exit 1 after training;
+    so is an evaluate.vllm_tensor_parallel_size above the cores."""
     target = save_deepseek_v3(tmp_path / "target", smollm2_dir)
     chats = write_synthetic_chats(tmp_path / "chats.jsonl", 4)
     env = vllm_env()
@@ -182,3 +183,11 @@ def test_evaluating_in_vllm_behind_an_mla_target_on_cpu_is_refused_before_any_st
     assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
     assert "evaluate.backend=vllm with an MLA target" in res.stderr and "--evaluate.backend=hf" in res.stderr
     assert not any((tmp_path / "run" / s).exists() for s in ("prepare", "extract", "train"))
+    cores = len(os.sched_getaffinity(0))  # more vLLM CPU workers than cores: refused naming the setting, also up front
+    llama = save_tiny("llama", tmp_path / "llama", smollm2_dir)
+    args = [a if not a.startswith("--target.model=") else f"--target.model={llama}" for a in res.args]
+    res = subprocess.run([*args, f"--evaluate.vllm_tensor_parallel_size={cores + 1}"], env=env, capture_output=True,
+                         text=True, timeout=600, check=False)
+    assert res.returncode == 2 and f"set --evaluate.vllm_tensor_parallel_size (x pipeline parallel) to at most {cores}" \
+        in res.stderr, res.stderr[-3000:]
+    assert not (tmp_path / "run" / "prepare").exists()

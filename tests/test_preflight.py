@@ -128,7 +128,8 @@ def test_a_draft_to_start_from_of_another_shape_is_refused_before_extract(tmp_pa
     assert cli(["run", y, *args, f"--train.init_from={tmp_path / 'wide'}", "--train.intermediate_size=96"]) == 2
     assert "intermediate_size 128 there, 96 here" in capsys.readouterr().err
     assert not (run / "extract").exists()
-    assert json.loads((run / "summary.json").read_text())["failed_stage"] == "train"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["failed_stage"] == "train" and summary["exit_status"] == 2
 
 
 def draft_for_layers(out, tcfg, num_layers: int, ids: list[int]):
@@ -179,3 +180,15 @@ def test_evaluate_backend_vllm_without_vllm_is_refused_before_any_stage_runs(tmp
     with pytest.raises(ConfigError, match=r"evaluate\.backend=vllm needs vLLM in this Python environment"):
         run(load_config(str(recipe(tmp_path, tiny_target)), [*run_args(tmp_path), "--evaluate.backend=vllm", "--evaluate.mode=chain"]))
     assert no_stage_ran(tmp_path / "run")
+
+
+def test_under_torchrun_a_rank_says_its_own_exit_status(tmp_path, capsys, monkeypatch):
+    """torchrun exits 1 whatever status a rank exits with: the rank's error says its own (2: a setting
+    to change) and where `eyas run` records it."""
+    from eyas.cli import main as cli
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert cli(["run", "--target.model=/no/such/dir", f"--run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "this rank exits 2 (a setting or input to change, above); torchrun reports 1 for any failed rank" in err
+    assert "summary.json's exit_status" in err

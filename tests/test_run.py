@@ -421,6 +421,28 @@ def test_a_stage_directory_of_another_key_scheme_is_never_removed(tmp_path):
     assert (old / "partial").is_file()
 
 
+def test_a_stage_run_apart_says_running_and_leaves_stop_after_to_its_parent(tmp_path, smollm2_dir, capsys,
+                                                                          monkeypatch):
+    """Under torchrun rank 0 claims regenerate's directory, then a child `eyas run` up to extract runs
+    it (run_alone): the child starts it ("running", a claim alone is nothing to resume, not
+    "resuming"), and where it stops at extract says the run goes on, not "stop_after=extract:
+    stopping here" (a setting the user never gave)."""
+    from eyas.run import APART, KEY_SCHEME, MARKER, apart_env, claim_stage_dir
+
+    claimed = tmp_path / "claimed"
+    claimed.mkdir()
+    (claimed / MARKER).write_text(f"{KEY_SCHEME}:abc")
+    assert claim_stage_dir("regenerate", claimed, f"{KEY_SCHEME}:abc") is False
+    assert apart_env("extract")[APART] == "extract" and APART not in apart_env()
+    monkeypatch.setenv(APART, "prepare")
+    y = recipe(tmp_path, save_tiny("llama", tmp_path / "target", smollm2_dir))
+    args = ["--regenerate.enabled=false", f"--prepare.data={write_synthetic_chats(tmp_path / 'c.jsonl', 6)}",
+            "--stop_after=prepare"]
+    assert cli(["run", str(y), *args]) == 0
+    out = capsys.readouterr().out
+    assert "prepare: done in this process apart; the run goes on" in out and "stopping here" not in out
+
+
 def test_a_draft_to_start_from_of_another_vocabulary_is_refused_before_extract(tmp_path, smollm2_dir, capsys):
     """--train.init_from with a draft whose draft vocabulary is not this prepare's (new data selects
     another one) fails the run before extract, not after it (the extraction and the shards' checksum

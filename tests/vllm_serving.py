@@ -147,6 +147,16 @@ def trained_draft(run_dir: Path, target_dir: Path, chats: Path, k: int, draft_vo
     return {fmt: run_dir / "export" / fmt for fmt in ("sglang", "speculators")}
 
 
+CPU_SIZED = (
+    "--extract.vllm_tensor_parallel_size=2", "--evaluate.backend=hf", "--target.dtype=float32",
+    "--regenerate.max_new_tokens=8", "--regenerate.max_prompt_tokens=96", "--regenerate.max_turns=1",
+    "--prepare.max_length=128", "--prepare.draft_vocab_size=500", "--train.max_steps=3", "--train.ttt_steps=2",
+    "--train.max_tokens=256", "--train.num_attention_heads=2", "--train.num_key_value_heads=1",
+    "--train.intermediate_size=256", "--evaluate.num_questions=1", "--evaluate.max_new_tokens=8",
+)
+"""The overrides that size the 8-GPU recipes for 2 CPU cores, as docs/vllm.md gives the command."""
+
+
 def run_large_target_recipe(recipe_name: str, target: Path, chats: Path, run: Path, aux: list[int],
                             regenerate: bool = True) -> str:
     """recipes/RECIPE_NAME as its first lines say (torchrun), CPU-sized by overrides: 2 ranks, vLLM
@@ -155,13 +165,8 @@ def run_large_target_recipe(recipe_name: str, target: Path, chats: Path, run: Pa
     every stage ran, and (regenerating) one load of the target for regenerate and extract; -> the output."""
     recipe = REPO / "recipes" / recipe_name
     assert f"torchrun --nproc-per-node 8 -m eyas run recipes/{recipe_name}" in recipe.read_text()
-    cpu_sized = [f"--run_dir={run}", f"--target.model={target}", "--target.dtype=float32", f"--prepare.data={chats}",
-                 "--regenerate.max_new_tokens=8", "--regenerate.max_prompt_tokens=96", "--regenerate.max_turns=1",
-                 "--prepare.max_length=128", "--prepare.draft_vocab_size=500", f"--extract.layer_ids={aux}",
-                 "--extract.vllm_tensor_parallel_size=2", "--train.max_steps=3", "--train.ttt_steps=2",
-                 "--train.max_tokens=256", "--train.num_attention_heads=2", "--train.num_key_value_heads=1",
-                 "--train.intermediate_size=256", "--evaluate.backend=hf", "--evaluate.num_questions=1",
-                 "--evaluate.max_new_tokens=8", *(() if regenerate else ("--regenerate.enabled=false",))]
+    cpu_sized = [f"--run_dir={run}", f"--target.model={target}", f"--prepare.data={chats}", *CPU_SIZED,
+                 f"--extract.layer_ids={aux}".replace(" ", ""), *(() if regenerate else ("--regenerate.enabled=false",))]
     env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # eyas binds the threads itself
     res = subprocess.run([str(vllm_python()), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",

@@ -71,17 +71,21 @@ def pass_stats(before: dict[str, Any], after: dict[str, Any], k: int) -> SpecSta
 
 def check_supported(cfg: EyasConfig) -> None:
     """What this vLLM cannot evaluate, refused before any engine starts (and by `eyas run` before its
-    first stage): no vLLM here; a draft behind an MLA target on vLLM's CPU build, which stops with "No
-    common block size" only after the target's load (docs/vllm.md)."""
+    first stage): no vLLM here; on vLLM's CPU build, more workers (evaluate.vllm_tensor_parallel_size)
+    than cores, and a draft behind an MLA target, which stops with "No common block size" only after
+    the target's load (docs/vllm.md)."""
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
         vllm_engine.on_cpu("evaluate.backend")  # the ConfigError that says how to install it
-    if getattr(load_config(cfg.target), "kv_lora_rank", None) and vllm_engine.on_cpu("evaluate.backend"):
+    if not vllm_engine.on_cpu("evaluate.backend"):
+        return
+    if getattr(load_config(cfg.target), "kv_lora_rank", None):
         raise ConfigError(f"evaluate.backend=vllm with an MLA target ({cfg.target.model}): vLLM's CPU build cannot "
                           "serve an EAGLE-3 draft behind multi-head latent attention (\"No common block size for 16 "
                           "(CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])\", after the target's load; docs/vllm.md). "
                           "Evaluate in-process with --evaluate.backend=hf, or on GPUs")
+    vllm_engine.check_cpu_workers(cfg.evaluate.vllm_tensor_parallel_size, "evaluate")
 
 
 def served_draft(files: DraftFiles, cfg: EyasConfig, out_dir: Path) -> Path:
@@ -115,7 +119,7 @@ def engine(cfg: EyasConfig, draft: Path | None, max_len: int, cpu: bool):
     kw.update(vllm_engine.target_kwargs(load_hf_config(cfg.target).to_dict()))  # a wrapper: its language model
     if draft is not None:
         kw["speculative_config"] = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": ec.num_draft_tokens}
-    kw.update(ec.vllm_engine_args)
+    vllm_engine.apply_engine_args(kw, ec.vllm_engine_args, "evaluate.vllm_engine_args")
     if cpu:
         vllm_engine.bind_cpu_threads(ec.vllm_tensor_parallel_size, "evaluate")
     return LLM(**kw)

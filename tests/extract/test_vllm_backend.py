@@ -72,6 +72,19 @@ def test_engine_kwargs_ask_for_aux_layers_and_the_prenorm_last_layer():
     assert cpu["kv_connector_module_path"] == "eyas.extract.vllm_connector"
 
 
+def test_engine_args_that_replace_eyas_settings_are_said(capsys):
+    """extract.vllm_engine_args comes last; where it replaces what eyas set (here the compilation_config
+    that keeps vLLM's CPU rotary op away from MLA) the run says so, naming the flag."""
+    cfg = load_config(None, ["--extract.backend=vllm",
+                             '--extract.vllm_engine_args={"compilation_config": {"custom_ops": ["all"]}, "max_num_seqs": 7}'])
+    kw = engine_kwargs(cfg, [2, 15, 27], 30, 513, torch.float32, Path("/scratch"), cpu=True)
+    assert kw["compilation_config"] == {"custom_ops": ["all"]}
+    out = capsys.readouterr().out
+    assert ("--extract.vllm_engine_args.compilation_config={'custom_ops': ['all']} replaces eyas's "
+            "compilation_config={'custom_ops': ['all', '-rotary_embedding']}") in out
+    assert "max_num_seqs" not in out  # not one eyas sets
+
+
 def test_only_the_vllm_backend_modules_import_vllm():
     root = Path(__file__).resolve().parents[2] / "eyas"
     importers = sorted(str(f.relative_to(root)) for f in root.rglob("*.py")

@@ -129,6 +129,8 @@ def test_a_proxy_that_disagrees_stops_the_run_before_the_target_loads(prepared, 
     assert res.returncode == 2, log[-4000:]
     assert "vLLM disagrees with transformers on a tiny random model of the target's architecture" in log
     assert "docs/vllm.md" in log and log.count("starting the engine") == 1  # the proxy's only
+    assert "--extract.vllm_engine_args.compilation_config={'custom_ops': ['all']} replaces eyas's" in log
+    assert "vLLM's CPU rotary op rotates MLA's query and key wrongly" in log and "keep '-rotary_embedding'" in log
     assert not list((tmp_path / "bad").glob("shards/*"))
 
 
@@ -149,6 +151,7 @@ def test_a_bf16_proxy_is_judged_against_the_rounding_of_its_own_reference(tmp_pa
     text = log.read_text()
     assert res.returncode == 0, text[-4000:]
     assert "against a float32 forward: rounding, passes" in text
+    assert "loading the proxy's reference" in text and "loading the target through transformers" not in text
     proxy = json.loads((tmp_path / "run" / "extract" / "meta.json").read_text())["counts"]["this_run"]["vllm_proxy_parity"]
     assert proxy["samples"] == 2
 
@@ -168,6 +171,19 @@ def test_the_float32_yardstick_of_a_random_proxy():
     assert "more than 1.5x" in float32_verdict(got_SK + 0.05, floor_SK, 0.05, proxy=True)
     assert "more than 1.5x" in float32_verdict(got_SK * 1.1, floor_SK, 0.05, proxy=True)  # 0.51 > 1.5 x 0.318
     assert "no yardstick" in float32_verdict(got_SK, floor_SK * 2.2, 0.05, proxy=True)
+
+
+def test_extracts_summary_says_when_nothing_was_compared():
+    """vllm_parity=0 (a large target): the summary says the states were not compared, and gives the
+    proxy's check that stood in, not "0 samples vs a plain forward, max relative error 0.00e+00"."""
+    from eyas.extract import parity_line
+
+    r = {"parity_checked": 0, "parity_max_error": 0.0, "parity_float32_judged": 0,
+         "vllm_proxy_parity": {"samples": 2, "max_relative_error": 0.0108}}
+    line = parity_line(r)
+    assert "not checked against a plain forward (extract.vllm_parity=0, extract.verify=0)" in line
+    assert "proxy of the target: 2 samples, max relative error 1.08e-02" in line and "0.00e+00" not in line
+    assert parity_line({**r, "parity_checked": 3, "parity_max_error": 2e-5}).strip().startswith("parity  ")
 
 
 def test_a_proxy_keeps_a_quantization_it_can_write_and_says_why_not_otherwise():
