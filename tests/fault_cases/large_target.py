@@ -78,11 +78,12 @@ def bf16_proxy(m, work: Path, rng) -> tuple[bool, str]:
     vLLM against its reference's own bf16 rounding and the extraction goes on (a fixed 0.25 limit
     on that rounding refused it)."""
     from eyas.assets import smollm2_dir
-    from tests.data import run_prepare
+    from tests.data import run_prepare, write_synthetic_chats
     from tests.models import save_deepseek_v3
 
     target = save_deepseek_v3(work / "dsv3", smollm2_dir(), q_lora_rank=64, yarn=True)
-    run_prepare(work / "run", m.chats, max_length=64, draft_vocab=500, model=str(target))
+    chats = write_synthetic_chats(work / "chats.jsonl", 4, max_words=20)
+    run_prepare(work / "run", chats, max_length=64, draft_vocab=500, model=str(target))
     res = _in_vllm(["extract", f"--run_dir={work / 'run'}", f"--target.model={target}", "--target.dtype=bfloat16",
                     "--extract.backend=vllm", "--extract.layer_ids=[1,2,3]", "--extract.vllm_parity=0",
                     "--extract.vllm_tensor_parallel_size=2"], work / "extract.log")
