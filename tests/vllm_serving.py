@@ -180,4 +180,7 @@ def run_large_target_recipe(recipe_name: str, target: Path, chats: Path, run: Pa
     log = (run / "run.log").read_text()
     assert log.count("starting the engine") == 2, log  # the proxy's, then the target's (once for both stages)
     assert ("serves extraction too (no second load)" in log) == regenerate
+    # what the run says: the child that runs regenerate..extract apart starts regenerate (the parent only
+    # claimed its directory) and leaves the run to its parent, with no stop_after the user never gave
+    assert "stop_after=" not in out and "regenerate: resuming" not in out and "proxy's reference" in out
     return out
