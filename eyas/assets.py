@@ -78,6 +78,14 @@ def _log_stderr(msg: str) -> None:
 def smollm2_dir(log=_log_stderr) -> Path:
     """The bf16 safetensors HF directory of SmolLM2-135M-Instruct, converting the GGUF on first use
     (saying so on stderr: stdout stays the caller's, e.g. `$(python -c "...print(smollm2_dir())")`)."""
+    cached = cache_dir() / f"smollm2-135m-instruct-{SMOLLM2_SHA256[:16]}"
+    if importlib.util.find_spec(SMOLLM2_PACKAGE) is None:
+        if (cached / "eyas-asset.json").is_file():  # converted by another environment (the vLLM venv has no GGUF)
+            return cached
+        raise EyasError(f"embedded:smollm2: package {SMOLLM2_PACKAGE!r} is not installed here and no converted copy "
+                        f"is cached at {cached}: `{_INSTALL_HINT[SMOLLM2_PACKAGE]} gguf accelerate` in this "
+                        "environment, or run `eyas assets` once in one that has them (the copy it caches serves every "
+                        "environment with the same $EYAS_CACHE_DIR)")
     gguf = package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF)
     digest = sha256_file(gguf)
     if digest != SMOLLM2_SHA256:

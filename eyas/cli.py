@@ -169,6 +169,22 @@ def _not_permitted(e: BaseException) -> str:
     return ""
 
 
+def exit_status(e: BaseException) -> int:
+    """The exit status `eyas` gives an exception: 2 a user error (EyasError), 128 + the signal for
+    SIGTERM or SIGHUP (143, 129), 130 Ctrl-C, 1 else."""
+    if isinstance(e, EyasError):
+        return 2
+    return 128 + e.signum if isinstance(e, Terminated) else 130 if isinstance(e, KeyboardInterrupt) else 1
+
+
+def _torchrun_note(rc: int) -> str:
+    """Under torchrun, a last line: torchrun exits 1 whichever status a rank exits with."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ""
+    return (f"\neyas: this rank exits {rc}{' (a setting or input to change, above)' if rc == 2 else ''}; torchrun "
+            "reports 1 for any failed rank (`eyas run` records its own in summary.json's exit_status once a stage ran)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -208,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
                 result = importlib.import_module(f"eyas.{command}").main(cfg)
         return int(result) if isinstance(result, int) else 0
     except EyasError as e:
-        print(f"eyas {command}: error: {exception_message(e)}{_disk_hint(e)}", file=sys.stderr)
+        print(f"eyas {command}: error: {exception_message(e)}{_disk_hint(e)}{_torchrun_note(2)}", file=sys.stderr)
         return 2
     except Terminated as e:
         print(f"eyas {command}: terminated ({signal.Signals(e.signum).name})", file=sys.stderr)
@@ -221,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eyas {command}: error: {_not_permitted(e)}", file=sys.stderr)
             return 2
         d = describe_exception(e)
-        print(f"eyas {command}: {d['type']}: {d['message']}\n{d['traceback']}{_disk_hint(e)}", file=sys.stderr)
+        print(f"eyas {command}: {d['type']}: {d['message']}\n{d['traceback']}{_disk_hint(e)}{_torchrun_note(1)}",
+              file=sys.stderr)
         return 1
 
 

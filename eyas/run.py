@@ -150,8 +150,8 @@ def claim_stage_dir(stage: str, out: Path, key: str, fresh: bool = False,
         marker = claims.read_marker(out)
         claims.refuse_foreign(stage, out, key if marker and marker["key"] == key and not fresh else "", run_dir)
         same = marker["key"] == key
-        if same and not fresh:
-            return True
+        if same and not fresh:  # resumed when there is something to resume: a claim alone (by a parent
+            return any(p.name not in (MARKER, claims.LOCK_FILE) for p in out.iterdir())  # `eyas run`) starts afresh
         why = why_fresh if same else "made with other settings"
         print(f"[eyas:run] {stage}: removing {out} ({why})", flush=True)
         claims.clear(out)
@@ -363,7 +363,7 @@ def run_alone(stage: str, stage_cfg: EyasConfig, through: str = "") -> int | Ran
         stage_cfg.stop_after = through
     artifacts.atomic_write_text(config, dump_config(stage_cfg, secrets=True))  # read by the child, then deleted
     config.chmod(0o600)
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    env = apart_env(through)
     what = f"{stage} to {through}" if through else stage
     print(f"[eyas:run] {what}: in vLLM, one process apart from the ranks: {sys.executable} -m eyas {command} {config}",
           flush=True)
@@ -384,9 +384,24 @@ def run_alone(stage: str, stage_cfg: EyasConfig, through: str = "") -> int | Ran
     if through and rc != 0:  # `eyas run` in the child wrote summary.json, naming the stage that failed
         raise ApartRunFailed(f"{what} in vLLM stopped with exit status {rc} (its error is printed above; the stage "
                              f"that failed: {stage_cfg.run_dir}/summary.json)")
-    if rc not in (0, 1):  # 1: a complete extract that skipped samples, judged like the stage's own return
+    # extract's 1: complete, but it skipped samples (judged like the stage's own return); any other stage's: a crash
+    if rc != 0 and not (rc == 1 and stage == "extract"):
         raise EyasError(f"{what} in vLLM stopped with exit status {rc} (its error is printed above)")
     return RanThrough(through) if through else rc
+
+
+APART = "EYAS_RUN_THROUGH"
+"""Set for the child `eyas run` that runs stages apart up to a stage (run_alone's `through`): its
+stop_after is the parent's doing, and the run goes on there."""
+
+
+def apart_env(through: str = "") -> dict[str, str]:
+    """The environment of a stage run apart: this one without torchrun's variables (and with APART
+    naming the last stage when the child is `eyas run` up to it)."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS and not k.startswith("TORCHELASTIC_")}
+    if through:
+        env[APART] = through
+    return env
 
 
 class ApartRunFailed(EyasError):
@@ -632,7 +647,9 @@ def _stages(cfg: EyasConfig, run_dir: Path, runner, configs: dict[str, EyasConfi
         if s == "train":
             _plot(cfg)
         if s == cfg.stop_after and s != stages[-1]:
-            print(f"[eyas:run] stop_after={s}: stopping here; run the same command without it to continue", flush=True)
+            print(f"[eyas:run] {s}: done in this process apart; the run goes on in the ranks' `eyas run`"
+                  if os.environ.get(APART) == s else
+                  f"[eyas:run] stop_after={s}: stopping here; run the same command without it to continue", flush=True)
             return record
     raise_if_terminated()
     record.update(_evaluation(cfg.stage_dir("evaluate")) if "evaluate" in stages else {})
@@ -661,6 +678,8 @@ def preflight(cfg: EyasConfig, stages: list[str]) -> None:
     if "prepare" in stages and cfg.prepare.draft_vocab_size > vocab_size:
         raise ConfigError(f"prepare.draft_vocab_size={cfg.prepare.draft_vocab_size} is larger than the target "
                           f"vocabulary ({vocab_size}); use <= {vocab_size}")
+    _check_evaluate_draft(cfg, stages)
+    _check_vllm_evaluate(cfg, stages)
     if "extract" not in stages and "train" not in stages:
         return
     n = int(conf.num_hidden_layers)
@@ -669,9 +688,6 @@ def preflight(cfg: EyasConfig, stages: list[str]) -> None:
         raise ConfigError("extract.device_map splits one target over the GPUs of one process; run it without torchrun")
     if "train" in stages:
         _check_draft_shape(cfg, conf, layer_ids)
-    if "evaluate" in stages and cfg.evaluate.bench not in ("mtbench", "embedded:mtbench") \
-            and not Path(cfg.evaluate.bench).is_file():
-        raise ConfigError(f"evaluate.bench={cfg.evaluate.bench!r}: not `mtbench` and no such file")
 
 
 def _check_evaluate_bench(cfg: EyasConfig, stages: list[str]) -> None:
@@ -690,6 +706,26 @@ def _check_target_weights(cfg: EyasConfig, stages: list[str]) -> None:
         from eyas.target import check_weight_files
 
         check_weight_files(cfg.target)
+
+
+def _check_evaluate_draft(cfg: EyasConfig, stages: list[str]) -> None:
+    """A draft named in evaluate.draft that is already there must fit the target (as evaluate checks
+    at its start, whichever backend), before the stages ahead of evaluate run."""
+    from eyas.draft_files import find
+    from eyas.evaluate.decoding import check_draft_files_fit
+
+    files = find(cfg.evaluate.draft) if "evaluate" in stages and cfg.evaluate.draft else None
+    if files is not None:
+        check_draft_files_fit(cfg, files)
+
+
+def _check_vllm_evaluate(cfg: EyasConfig, stages: list[str]) -> None:
+    """evaluate.backend=vllm: what that evaluator refuses at its start (no vLLM, an MLA target on
+    vLLM's CPU build), refused before training, not after it."""
+    if "evaluate" in stages and cfg.evaluate.backend == "vllm":
+        from eyas.evaluate.vllm import check_supported
+
+        check_supported(cfg)
 
 
 def draft_shape(cfg: EyasConfig, target_conf, layer_ids: list[int]):
@@ -774,10 +810,13 @@ def _record_failure(cfg: EyasConfig, run_dir: Path, record: dict[str, Any], stag
         print(f"[eyas:run] {stage} and the stages after it ran in one process apart, which stopped; what it did: "
               f"{run_dir / 'summary.json'}", file=sys.stderr, flush=True)
         return
+    from eyas.cli import exit_status
+
     status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
     record["stages"][stage] = {"status": status, "dir": str(out), "wall_s": round(wall, 2),
                                "error": describe_exception(exc)}
     record["failed_stage"] = stage
+    record["exit_status"] = exit_status(exc)  # eyas's own (torchrun reports 1 for any failed rank)
     try:
         results = cfg.stage_dir("evaluate") / "results.json"
         if stage == "evaluate" and results.is_file() and results.stat().st_mtime >= started:

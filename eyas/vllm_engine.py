@@ -40,6 +40,18 @@ def platform_kwargs(cpu: bool) -> dict[str, Any]:
     return {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}} if cpu else {}
 
 
+def apply_engine_args(kw: dict[str, Any], user: dict[str, Any], flag: str) -> dict[str, Any]:
+    """`kw` with the user's engine arguments (`flag`, e.g. extract.vllm_engine_args) applied last; each
+    that replaces a value eyas set is said, naming the flag (a replaced compilation_config brings
+    back vLLM's CPU rotary op, wrong for MLA). -> the replaced values."""
+    replaced = {k: kw[k] for k in user if k in kw and kw[k] != user[k]}
+    for k, v in replaced.items():
+        print(f"[eyas] --{flag}.{k}={user[k]!r} replaces eyas's {k}={v!r} (docs/vllm.md says why eyas sets it)",
+              flush=True)
+    kw.update(user)
+    return replaced
+
+
 def hf_overrides(hf_config: dict[str, Any]) -> dict[str, Any]:
     """Config fields vLLM needs to compute what transformers computes for this checkpoint.
 
@@ -66,14 +78,20 @@ def target_kwargs(hf_config: dict[str, Any]) -> dict[str, Any]:
     return {"hf_overrides": overrides} if overrides else {}
 
 
-def cpu_thread_binding(world: int, cores: list[int]) -> str:
+PARALLEL_FLAGS = {"extract": "extract.vllm_tensor_parallel_size", "regenerate": "extract.vllm_tensor_parallel_size",
+                  "evaluate": "evaluate.vllm_tensor_parallel_size"}
+"""The setting that sizes each stage's vLLM workers (regenerate's engine takes extract's settings)."""
+
+
+def cpu_thread_binding(world: int, cores: list[int], flag: str = "") -> str:
     """VLLM_CPU_OMP_THREADS_BIND for `world` CPU workers: `cores` (this process's) in `world`
     contiguous groups, e.g. "0|1" or "0-3|4-7". vLLM's own default binds one worker per NUMA node
-    and stops when a host has fewer nodes than workers."""
+    and stops when a host has fewer nodes than workers. `flag`: the setting that asked for `world`."""
     cores = sorted(cores)
     if len(cores) < world:
+        fix = f": set --{flag} (x pipeline parallel) to at most {len(cores)}" if flag else ""
         raise ConfigError(f"{world} vLLM CPU workers (tensor x pipeline parallel) need a core each; this process may "
-                          f"run on {len(cores)}")
+                          f"run on {len(cores)}{fix}, or bind them yourself with VLLM_CPU_OMP_THREADS_BIND")
     per = len(cores) // world
 
     def span(group: list[int]) -> str:
@@ -84,10 +102,19 @@ def cpu_thread_binding(world: int, cores: list[int]) -> str:
     return "|".join(span(cores[i * per:(i + 1) * per]) for i in range(world))
 
 
+def check_cpu_workers(world: int, stage: str) -> str | None:
+    """The VLLM_CPU_OMP_THREADS_BIND eyas would set for `world` workers of `stage` on vLLM's CPU build
+    (None where it sets none); a ConfigError naming the stage's setting when the cores are too few."""
+    if world > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        return cpu_thread_binding(world, list(os.sched_getaffinity(0)), PARALLEL_FLAGS.get(stage, ""))
+    return None
+
+
 def bind_cpu_threads(world: int, stage: str) -> None:
     """Set VLLM_CPU_OMP_THREADS_BIND for `world` workers on vLLM's CPU build, unless it is set."""
-    if world > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(world, list(os.sched_getaffinity(0)))
+    binding = check_cpu_workers(world, stage)
+    if binding is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
         print(f"[eyas:{stage}] VLLM_CPU_OMP_THREADS_BIND={os.environ['VLLM_CPU_OMP_THREADS_BIND']} (one core group "
               "per vLLM CPU worker; set it yourself to choose others)", flush=True)
 

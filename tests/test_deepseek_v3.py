@@ -34,7 +34,7 @@ from eyas.spec import speculative_generate, target_generate
 from tests.extract.test_vllm_backend import needs_vllm
 from tests.data import write_synthetic_chats
 from tests.models import DEEPSEEK_V3_YARN, fitted_draft, greedy_sequences, load_target, save_deepseek_v3, save_tiny
-from tests.vllm_serving import run_large_target_recipe, run_vllm, vllm_python
+from tests.vllm_serving import run_large_target_recipe, run_vllm, vllm_env, vllm_python
 
 AUX = [1, 2, 3]
 
@@ -166,3 +166,28 @@ def test_the_8_gpu_recipe_in_one_torchrun_command(tmp_path, smollm2_dir):
     assert "[eyas:run] rank 1: train" in follower and "extract" not in follower
     draft = json.loads((run / "export" / "speculators" / "config.json").read_text())["transformer_layer_config"]
     assert (draft["num_attention_heads"], draft["num_key_value_heads"], draft["head_dim"]) == (2, 1, 128)
+
+
+@needs_vllm
+def test_evaluating_in_vllm_behind_an_mla_target_on_cpu_is_refused_before_any_stage_runs(tmp_path, smollm2_dir):
+    """`eyas run --evaluate.backend=vllm` with an MLA target on vLLM's CPU build (which cannot serve a
+    draft behind it, above): exit 2 naming the fix before the first stage, not exit 1 after training;
+    so is an evaluate.vllm_tensor_parallel_size above the cores."""
+    target = save_deepseek_v3(tmp_path / "target", smollm2_dir)
+    chats = write_synthetic_chats(tmp_path / "chats.jsonl", 4)
+    env = vllm_env()
+    res = subprocess.run([str(vllm_python()), "-m", "eyas", "run", f"--run_dir={tmp_path / 'run'}",
+                          f"--target.model={target}", f"--prepare.data={chats}", "--regenerate.enabled=false",
+                          "--prepare.draft_vocab_size=500", "--evaluate.backend=vllm", "--evaluate.mode=chain"],
+                         env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "evaluate.backend=vllm with an MLA target" in res.stderr and "--evaluate.backend=hf" in res.stderr
+    assert not any((tmp_path / "run" / s).exists() for s in ("prepare", "extract", "train"))
+    cores = len(os.sched_getaffinity(0))  # more vLLM CPU workers than cores: refused naming the setting, also up front
+    llama = save_tiny("llama", tmp_path / "llama", smollm2_dir)
+    args = [a if not a.startswith("--target.model=") else f"--target.model={llama}" for a in res.args]
+    res = subprocess.run([*args, f"--evaluate.vllm_tensor_parallel_size={cores + 1}"], env=env, capture_output=True,
+                         text=True, timeout=600, check=False)
+    assert res.returncode == 2 and f"set --evaluate.vllm_tensor_parallel_size (x pipeline parallel) to at most {cores}" \
+        in res.stderr, res.stderr[-3000:]
+    assert not (tmp_path / "run" / "prepare").exists()

@@ -209,3 +209,69 @@ def test_a_damaged_target_weight_file_is_named_before_any_stage_runs(tmp_path, t
     assert no_stage_ran(tmp_path / "run")
     with pytest.raises(ArtifactError, match=match):
         load_model(TargetConfig(model=str(target), dtype="float32"), device="cpu")
+
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["failed_stage"] == "train" and summary["exit_status"] == 2
+
+
+def draft_for_layers(out, tcfg, num_layers: int, ids: list[int]):
+    """An eyas checkpoint (untrained) for a target of config `tcfg` but of `num_layers` layers, with aux `ids`."""
+    import copy
+
+    from eyas.draft import DraftConfig, Eagle3Draft
+    from eyas.draft_files import save_draft
+
+    tcfg = copy.deepcopy(tcfg)
+    tcfg.num_hidden_layers = num_layers
+    save_draft(Eagle3Draft(DraftConfig.from_target(tcfg, 500, ids)), out)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["hf", "vllm"])
+def test_a_draft_of_another_target_is_refused_by_either_evaluator_before_it_loads(tmp_path, tiny_target, backend,
+                                                                                   capsys):
+    """A draft trained on a 12-layer target (aux [2, 6, 11]) evaluated behind the 8-layer one: both
+    backends refuse it from the configs alone (exit 2, naming the ids), before any model or engine
+    loads (vLLM would load the target and stop on a shape error), and `eyas run` refuses it before
+    its first stage."""
+    from transformers import AutoConfig
+
+    from eyas.cli import main as cli
+
+    draft = draft_for_layers(tmp_path / "draft", AutoConfig.from_pretrained(str(tiny_target)), 12, [2, 6, 11])
+    common = [f"--target.model={tiny_target}", f"--evaluate.draft={draft}", f"--evaluate.backend={backend}",
+              f"--run_dir={tmp_path / 'run'}", "--evaluate.mode=chain"]
+    assert cli(["evaluate", *common]) == 2
+    err = capsys.readouterr().err
+    assert "aux_layer_ids [2, 6, 11] do not fit num_aux_layers=3 and a 8-layer target" in err, err
+    assert not (tmp_path / "run" / "evaluate").exists()
+    y = str(recipe(tmp_path, tiny_target))
+    assert cli(["run", y, *run_args(tmp_path), *common]) == 2
+    assert "aux_layer_ids [2, 6, 11] do not fit" in capsys.readouterr().err
+    assert no_stage_ran(tmp_path / "run")
+
+
+def test_evaluate_backend_vllm_without_vllm_is_refused_before_any_stage_runs(tmp_path, tiny_target):
+    """evaluate.backend=vllm where vLLM is not installed: refused before the first stage (not after training)."""
+    import importlib.util
+
+    from eyas.run import main as run
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    with pytest.raises(ConfigError, match=r"evaluate\.backend=vllm needs vLLM in this Python environment"):
+        run(load_config(str(recipe(tmp_path, tiny_target)), [*run_args(tmp_path), "--evaluate.backend=vllm", "--evaluate.mode=chain"]))
+    assert no_stage_ran(tmp_path / "run")
+
+
+def test_under_torchrun_a_rank_says_its_own_exit_status(tmp_path, capsys, monkeypatch):
+    """torchrun exits 1 whatever status a rank exits with: the rank's error says its own (2: a setting
+    to change) and where `eyas run` records it."""
+    from eyas.cli import main as cli
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert cli(["run", "--target.model=/no/such/dir", f"--run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert "this rank exits 2 (a setting or input to change, above); torchrun reports 1 for any failed rank" in err
+    assert "summary.json's exit_status" in err

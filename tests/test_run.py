@@ -418,6 +418,28 @@ def test_a_stage_directory_of_another_key_scheme_is_never_removed(tmp_path):
     assert (old / "partial").is_file()
 
 
+def test_a_stage_run_apart_says_running_and_leaves_stop_after_to_its_parent(tmp_path, smollm2_dir, capsys,
+                                                                          monkeypatch):
+    """Under torchrun rank 0 claims regenerate's directory, then a child `eyas run` up to extract runs
+    it (run_alone): the child starts it ("running", a claim alone is nothing to resume, not
+    "resuming"), and where it stops at extract says the run goes on, not "stop_after=extract:
+    stopping here" (a setting the user never gave)."""
+    from eyas.run import APART, KEY_SCHEME, MARKER, apart_env, claim_stage_dir
+
+    claimed = tmp_path / "claimed"
+    claimed.mkdir()
+    (claimed / MARKER).write_text(f"{KEY_SCHEME}:abc")
+    assert claim_stage_dir("regenerate", claimed, f"{KEY_SCHEME}:abc") is False
+    assert apart_env("extract")[APART] == "extract" and APART not in apart_env()
+    monkeypatch.setenv(APART, "prepare")
+    y = recipe(tmp_path, save_tiny("llama", tmp_path / "target", smollm2_dir))
+    args = ["--regenerate.enabled=false", f"--prepare.data={write_synthetic_chats(tmp_path / 'c.jsonl', 6)}",
+            "--stop_after=prepare"]
+    assert cli(["run", str(y), *args]) == 0
+    out = capsys.readouterr().out
+    assert "prepare: done in this process apart; the run goes on" in out and "stopping here" not in out
+
+
 def test_a_draft_to_start_from_of_another_vocabulary_is_refused_before_extract(tmp_path, smollm2_dir, capsys):
     """--train.init_from with a draft whose draft vocabulary is not this prepare's (new data selects
     another one) fails the run before extract, not after it (the extraction and the shards' checksum
@@ -508,6 +530,28 @@ def test_a_stage_run_apart_from_the_ranks_dies_with_its_rank(tmp_path):
         raise AssertionError("the child outlived its killed parent")
     orphan = subprocess.run([sys.executable, "-c", child_code, "1"], timeout=30, check=False)  # "parent" pid 1: not ours
     assert orphan.returncode == 143
+
+
+def test_a_stage_run_apart_that_crashes_is_its_failure_not_a_missing_output(tmp_path):
+    """run_alone's child exiting 1 with a traceback (here evaluate, on a target whose config.json
+    transformers cannot read) fails the stage with that exit status; only extract's 1 (complete, but
+    it skipped samples) is an output to judge. Before, summary.json blamed the evaluate output the
+    crash never wrote ("holds no complete evaluate output")."""
+    from transformers import LlamaConfig
+
+    from eyas.config import load_config
+    from eyas.errors import EyasError
+    from eyas.run import run_alone
+    from tests.test_preflight import draft_for_layers
+
+    SHAPE = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_attention_heads=4)
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    cfg = load_config(None, [f"--run_dir={tmp_path / 'run'}", f"--target.model={target}", "--evaluate.mode=chain",
+                             f"--evaluate.draft={draft_for_layers(tmp_path / 'draft', SHAPE, 4, [1, 2, 3])}"])
+    with pytest.raises(EyasError, match=r"evaluate in vLLM stopped with exit status 1"):
+        run_alone("evaluate", cfg)
 
 
 def test_a_run_key_hashes_only_the_settings_that_differ_from_their_defaults(tmp_path):

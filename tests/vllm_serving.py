@@ -82,6 +82,14 @@ def merge_counts(counts: list[dict]) -> dict:
 # --- the vLLM venv -------------------------------------------------------------------------------
 
 
+def vllm_env(**extra: str) -> dict[str, str]:
+    """The environment of a process in the vLLM venv: this process's without its Python settings, but
+    with this checkout first on the path (the venv's eyas is an editable install of another one)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
+    env.update(PYTHONPATH=str(REPO), **extra)
+    return env
+
+
 def vllm_python() -> Path | None:
     venv = Path(os.environ.get("EYAS_VLLM_VENV") or REPO / ".venv-vllm")
     py = venv / "bin" / "python"
@@ -95,8 +103,7 @@ def run_vllm(job: dict, work: Path, timeout_s: int = 1500) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     job_path, result_path, log_path = work / "job.json", work / "result.json", work / "vllm.log"
     job_path.write_text(json.dumps(job))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.run(
@@ -140,6 +147,16 @@ def trained_draft(run_dir: Path, target_dir: Path, chats: Path, k: int, draft_vo
     return {fmt: run_dir / "export" / fmt for fmt in ("sglang", "speculators")}
 
 
+CPU_SIZED = (
+    "--extract.vllm_tensor_parallel_size=2", "--evaluate.backend=hf", "--target.dtype=float32",
+    "--regenerate.max_new_tokens=8", "--regenerate.max_prompt_tokens=96", "--regenerate.max_turns=1",
+    "--prepare.max_length=128", "--prepare.draft_vocab_size=500", "--train.max_steps=3", "--train.ttt_steps=2",
+    "--train.max_tokens=256", "--train.num_attention_heads=2", "--train.num_key_value_heads=1",
+    "--train.intermediate_size=256", "--evaluate.num_questions=1", "--evaluate.max_new_tokens=8",
+)
+"""The overrides that size the 8-GPU recipes for 2 CPU cores, as docs/vllm.md gives the command."""
+
+
 def run_large_target_recipe(recipe_name: str, target: Path, chats: Path, run: Path, aux: list[int],
                             regenerate: bool = True) -> str:
     """recipes/RECIPE_NAME as its first lines say (torchrun), CPU-sized by overrides: 2 ranks, vLLM
@@ -148,15 +165,9 @@ def run_large_target_recipe(recipe_name: str, target: Path, chats: Path, run: Pa
     every stage ran, and (regenerating) one load of the target for regenerate and extract; -> the output."""
     recipe = REPO / "recipes" / recipe_name
     assert f"torchrun --nproc-per-node 8 -m eyas run recipes/{recipe_name}" in recipe.read_text()
-    cpu_sized = [f"--run_dir={run}", f"--target.model={target}", "--target.dtype=float32", f"--prepare.data={chats}",
-                 "--regenerate.max_new_tokens=8", "--regenerate.max_prompt_tokens=96", "--regenerate.max_turns=1",
-                 "--prepare.max_length=128", "--prepare.draft_vocab_size=500", f"--extract.layer_ids={aux}",
-                 "--extract.vllm_tensor_parallel_size=2", "--train.max_steps=3", "--train.ttt_steps=2",
-                 "--train.max_tokens=256", "--train.num_attention_heads=2", "--train.num_key_value_heads=1",
-                 "--train.intermediate_size=256", "--evaluate.backend=hf", "--evaluate.num_questions=1",
-                 "--evaluate.max_new_tokens=8", *(() if regenerate else ("--regenerate.enabled=false",))]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    cpu_sized = [f"--run_dir={run}", f"--target.model={target}", f"--prepare.data={chats}", *CPU_SIZED,
+                 f"--extract.layer_ids={aux}".replace(" ", ""), *(() if regenerate else ("--regenerate.enabled=false",))]
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # eyas binds the threads itself
     res = subprocess.run([str(vllm_python()), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                           "-m", "eyas", "run", str(recipe), *cpu_sized], env=env, capture_output=True, text=True,
@@ -169,4 +180,7 @@ def run_large_target_recipe(recipe_name: str, target: Path, chats: Path, run: Pa
     log = (run / "run.log").read_text()
     assert log.count("starting the engine") == 2, log  # the proxy's, then the target's (once for both stages)
     assert ("serves extraction too (no second load)" in log) == regenerate
+    # what the run says: the child that runs regenerate..extract apart starts regenerate (the parent only
+    # claimed its directory) and leaves the run to its parent, with no stop_after the user never gave
+    assert "stop_after=" not in out and "regenerate: resuming" not in out and "proxy's reference" in out
     return out

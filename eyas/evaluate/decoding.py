@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 
 from eyas.config import EyasConfig
-from eyas.draft_files import DraftFiles, locate, open_draft
+from eyas.draft_files import DraftFiles, locate, open_draft, read_config
 from eyas.errors import ArtifactError
 from eyas.evaluate.inputs import render, stop_token_ids, target_placement
 from eyas.spec import Generation, SpecStats, speculative_generate, target_generate
@@ -36,26 +36,35 @@ def load_eval_draft(draft_dir: Path, embed_weight_VD: torch.Tensor, device: torc
     return draft.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def check_draft_fits(draft, target) -> None:
-    """The draft must have been built for this target: vocab, hidden size, aux layers."""
-    from eyas.capture import num_layers, text_config
-
-    c, t = draft.config, text_config(target)
+def check_draft_fits(draft_cfg, target_cfg) -> None:
+    """The draft must have been built for this target: vocab, hidden size, aux layers. From the two
+    configs alone (a DraftConfig, the target's text config), so that both evaluators refuse a draft
+    of another target before any model or engine loads (vLLM would load the target, then stop on a
+    shape error)."""
+    c, t = draft_cfg, target_cfg
+    num_layers = int(t.num_hidden_layers)
     problems = []
     if c.vocab_size != t.vocab_size:
         problems.append(f"vocab size {c.vocab_size} != target's {t.vocab_size}")
     if c.target_hidden_size != t.hidden_size:
         problems.append(f"target_hidden_size {c.target_hidden_size} != target's hidden size {t.hidden_size}")
     ids = list(c.aux_layer_ids)
-    if len(ids) != c.num_aux_layers or not all(0 <= k < num_layers(target) for k in ids):
+    if len(ids) != c.num_aux_layers or not all(0 <= k < num_layers for k in ids):
         problems.append(
-            f"aux_layer_ids {ids} do not fit num_aux_layers={c.num_aux_layers} and a {num_layers(target)}-layer target"
+            f"aux_layer_ids {ids} do not fit num_aux_layers={c.num_aux_layers} and a {num_layers}-layer target"
         )
     if problems:
         raise ArtifactError(
             "the draft does not fit the target (" + "; ".join(problems) + "): pass the target it was trained "
             "for with --target.model, or the matching draft with --evaluate.draft"
         )
+
+
+def check_draft_files_fit(cfg: EyasConfig, files: DraftFiles) -> None:
+    """`check_draft_fits` for a located draft and cfg.target, reading configs only."""
+    from eyas.target import load_config
+
+    check_draft_fits(read_config(files), load_config(cfg.target))
 
 
 @dataclasses.dataclass
@@ -74,12 +83,12 @@ class Setup:
 def load_setup(cfg: EyasConfig) -> Setup:
     ec = cfg.evaluate
     files = locate(ec.draft or default_draft_dir(cfg), "evaluate.draft")  # before any model loads
+    check_draft_files_fit(cfg, files)
     device, target_cfg, dtype = target_placement(cfg)
     tok = load_tokenizer(target_cfg)
     # sdpa: tree verification passes a custom 4-D mask, which flash-attention kernels do not take
     target = load_model(target_cfg, device=device, attn_implementation="sdpa")
     draft = load_eval_draft(files.dir, target.get_input_embeddings().weight, device, dtype)
-    check_draft_fits(draft, target)
     seed = cfg.seed if ec.seed < 0 else ec.seed
     engine = None
     if device.type == "cuda" and ec.cuda_graphs:

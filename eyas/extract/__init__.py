@@ -430,6 +430,22 @@ def finalize(cfg: EyasConfig, setup: Setup, summaries: list[dict[str, Any]]) -> 
     return meta
 
 
+def parity_line(r: dict[str, Any]) -> str:
+    """The summary's parity line: what was compared, or that nothing was (never "0 samples ... 0.00e+00",
+    which reads as a pass), with the proxy's check where it ran instead."""
+    proxy = r.get("vllm_proxy_parity")
+    if not r["parity_checked"]:
+        line = "  parity         not checked against a plain forward (extract.vllm_parity=0, extract.verify=0)"
+        if proxy:
+            line += (f"; vLLM on a proxy of the target: {proxy['samples']} samples, max relative error "
+                     f"{proxy['max_relative_error']:.2e}")
+        return line
+    return (f"  parity         {r['parity_checked']:>12,} samples vs a plain forward, max relative error "
+            f"{r['parity_max_error']:.2e}"
+            + (f" ({r['parity_float32_judged']} past the tolerance, rounding by a float32 forward)"
+               if r.get("parity_float32_judged") else ""))
+
+
 def print_summary(out: Path, meta: dict[str, Any]) -> None:
     c, r = meta["counts"], meta["counts"]["this_run"]
     lines = [
@@ -439,8 +455,7 @@ def print_summary(out: Path, meta: dict[str, Any]) -> None:
         f"  hidden states  {c['bytes'] / 1e9:>12.3f} GB in {c['shards']} shards; layers {meta['layer_ids']} + final, "
         f"D={meta['hidden_size']}, {meta['dtype']}",
         f"  speed          {r['tokens_per_s']:>12,.0f} tok/s over {r['seconds']:.1f} s on {r['world_size']} rank(s)",
-        f"  parity         {r['parity_checked']:>12,} samples vs a plain forward, max relative error {r['parity_max_error']:.2e}"
-        + (f" ({r['parity_float32_judged']} past the tolerance, rounding by a float32 forward)" if r.get("parity_float32_judged") else ""),
+        parity_line(r),
     ]
     spilled = [name for name in meta["shards"] if Path(name).is_absolute()]
     if spilled:

@@ -174,6 +174,12 @@ FLOOR_MAX = 0.25
 """...and only while that own error stays below this: a plain forward further than this from
 float32 is no yardstick (another sample's states are ~1.4 away)."""
 
+PROXY_FLOOR_MAX = 1 / FLOOR_FACTOR
+"""The proxy check's limit instead (eyas.extract.vllm_proxy): a random model's bf16 forward can be far
+from its float32 one (a tiny DeepSeek-V3 with routed experts, at tensor parallel 2: 0.32 at one token,
+transformers' own rounding), so the engine is judged against that rounding of the same reference
+for as long as FLOOR_FACTOR times it stays below 1, short of the ~1.4 of unrelated states."""
+
 
 @dataclass
 class Parity:
@@ -183,7 +189,8 @@ class Parity:
     """Samples past the tolerance that passed against the float32 forward."""
 
 
-def check_parity(backend, checks: list[tuple[str, torch.Tensor, torch.Tensor]], tol: float) -> Parity:
+def check_parity(backend, checks: list[tuple[str, torch.Tensor, torch.Tensor]], tol: float,
+                 proxy: bool = False) -> Parity:
     """Compare samples' extracted states with the plain forward; ParityError past `tol`.
 
     checks: (sample id, extracted states_SKD, tokens_S) per sample. In bf16/fp16 two correct
@@ -193,8 +200,8 @@ def check_parity(backend, checks: list[tuple[str, torch.Tensor, torch.Tensor]], 
     approximate; the weights are cast once for all of them): one passes when, for every layer, its
     error against float32 is at most FLOOR_FACTOR x the plain forward's own, both at the worst
     token and on average over the tokens (or `tol`), and the plain forward's own error is finite and
-    at most FLOOR_MAX. States of the wrong sample, mask or position, or wrong at some of the tokens,
-    are far from both and still fail."""
+    at most FLOOR_MAX (`proxy`: judged as float32_verdict says for a random proxy). States of the
+    wrong sample, mask or position, or wrong at some of the tokens, are far from both and still fail."""
     refs = backend.references([t for _, _, t in checks])
     result, over = Parity(errors=[]), []
     for (sample, states_SKD, tokens_S), ref_SKD in zip(checks, refs):
@@ -224,7 +231,8 @@ def check_parity(backend, checks: list[tuple[str, torch.Tensor, torch.Tensor]], 
                       f"{exception_message(e)})"] * len(over)
         else:
             for j, ((sample, states_SKD, _, ref_SKD, _, per_layer), exact_SKD) in enumerate(zip(over, exacts)):
-                judged[j] = float32_verdict(relative_error(states_SKD, exact_SKD), relative_error(ref_SKD, exact_SKD), tol)
+                judged[j] = float32_verdict(relative_error(states_SKD, exact_SKD), relative_error(ref_SKD, exact_SKD), tol,
+                                            proxy)
                 print(f"[eyas:extract] sample {sample}: relative error {max(per_layer):.3g} against the plain forward "
                       f"(> tolerance {tol:g}); against a float32 forward: {judged[j] or 'rounding, passes'}", flush=True)
     for (sample, states_SKD, _, ref_SKD, err_SK, per_layer), why in zip(over, judged):
@@ -243,14 +251,22 @@ def check_parity(backend, checks: list[tuple[str, torch.Tensor, torch.Tensor]], 
     return result
 
 
-def float32_verdict(got_SK: torch.Tensor, floor_SK: torch.Tensor, tol: float) -> str:
+def float32_verdict(got_SK: torch.Tensor, floor_SK: torch.Tensor, tol: float, proxy: bool = False) -> str:
     """'' when states with error got_SK against float32 are as good as the plain forward (its own
-    error floor_SK), per layer at the worst token and on average; else what is wrong, with numbers."""
+    error floor_SK), per layer at the worst token and on average; else what is wrong, with numbers.
+
+    `proxy` (the proxy check's random MoE model): a bf16 rounding flips a routed expert at one token,
+    in one layer of one forward and in another of the other, so the worst token of each layer is
+    judged against the plain forward's worst anywhere, and that may be up to PROXY_FLOOR_MAX from
+    float32 (FLOOR_MAX otherwise); the average per layer, which a wrong kernel raises, stays as is."""
+    limit = PROXY_FLOOR_MAX if proxy else FLOOR_MAX
     floor_max, got_max = floor_SK.amax(dim=0), got_SK.amax(dim=0)
     floor_mean, got_mean = floor_SK.mean(dim=0), got_SK.mean(dim=0)
     numbers = (f"error {float(got_max.max()):.3g} (mean {float(got_mean.max()):.3g}), the plain forward's own "
                f"{float(floor_max.max()):.3g} (mean {float(floor_mean.max()):.3g})")
-    if not bool(torch.isfinite(floor_max).all()) or float(floor_max.max()) > FLOOR_MAX:
-        return f"{numbers}: the plain forward itself is more than {FLOOR_MAX} from float32, no yardstick"
+    if not bool(torch.isfinite(floor_max).all()) or float(floor_max.max()) > limit:
+        return f"{numbers}: the plain forward itself is more than {limit:.3g} from float32, no yardstick"
+    if proxy:
+        floor_max = floor_max.amax().expand_as(floor_max)
     ok = (got_max <= torch.clamp(FLOOR_FACTOR * floor_max, min=tol)) & (got_mean <= torch.clamp(FLOOR_FACTOR * floor_mean, min=tol))
     return "" if bool(ok.all()) else f"{numbers}: more than {FLOOR_FACTOR}x it"

@@ -116,7 +116,7 @@ def engine_kwargs(cfg, layer_ids: list[int], num_layers: int, max_model_len: int
     }
     kw.update(platform_kwargs(cpu))
     kw.update(vllm_engine.target_kwargs(hf_config or {}))
-    kw.update(ec.vllm_engine_args)
+    vllm_engine.apply_engine_args(kw, ec.vllm_engine_args, "extract.vllm_engine_args")
     return kw
 
 
@@ -410,7 +410,8 @@ def make_vllm_backend(cfg, setup, longest: int, reference_model: str | None = No
         llm = start_engine(cfg, kw)
 
     def reference() -> HFBackend:
-        print("[eyas:extract] loading the target through transformers on CPU for the parity check", flush=True)
+        what = f"the proxy's reference {reference_model}" if reference_model else "the target"
+        print(f"[eyas:extract] loading {what} through transformers on CPU for the parity check", flush=True)
         target = dataclasses.replace(cfg.target, model=reference_model) if reference_model else cfg.target
         return HFBackend(load_model(target, device="cpu"), setup.layer_ids, setup.store_dtype)
 

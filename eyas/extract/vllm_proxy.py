@@ -323,10 +323,11 @@ def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
             checks.append((name, states[at: at + t.numel()], t))
             at += t.numel()
         try:
-            parity = check_parity(backend, checks, tol)
+            parity = check_parity(backend, checks, tol, proxy=True)
         except ParityError as e:
             raise EyasError(f"vLLM disagrees with transformers on a tiny random model of the target's architecture "
-                            f"({directory}): {e}. The target's own run would store such states: it does not start") from e
+                            f"({directory}): {e}.{_rope_note(ec, text)} The target's own run would store such states: "
+                            "it does not start") from e
     finally:
         backend.close()
         shutil.rmtree(directory, ignore_errors=True)  # its weights: the target's vocabulary x hidden, twice
@@ -335,6 +336,21 @@ def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
           flush=True)
     return {"dir": str(directory), "layers": layers, "hidden_size": text["hidden_size"], "quantization": quantization,
             "samples": len(parity.errors), "max_relative_error": max(parity.errors)}
+
+
+def _rope_note(ec, text: dict[str, Any]) -> str:
+    """For an MLA proxy on vLLM's CPU build, the known cause: the CPU rotary op, which eyas turns off
+    and a compilation_config in extract.vllm_engine_args turns back on."""
+    from eyas import vllm_engine
+
+    if MLA_KEY not in text or not vllm_engine.on_cpu("extract.backend"):
+        return ""
+    note = (" On vLLM's CPU build eyas runs MLA's rotary embedding in PyTorch (compilation_config.custom_ops "
+            "['all', '-rotary_embedding']): vLLM's CPU rotary op rotates MLA's query and key wrongly (docs/vllm.md).")
+    if "compilation_config" in ec.vllm_engine_args:
+        note += (f" --extract.vllm_engine_args.compilation_config={ec.vllm_engine_args['compilation_config']!r} "
+                 "replaced that setting: keep '-rotary_embedding' in its custom_ops.")
+    return note
 
 
 def _quantization_note(target: dict[str, Any], proxy: dict[str, Any]) -> str:

@@ -30,7 +30,7 @@ from eyas.evaluate.vllm import pass_stats
 from tests.data import chat_prompt_ids
 from tests.extract.test_vllm_backend import needs_vllm
 from tests.models import fitted_draft, greedy_sequences, load_target, save_tiny
-from tests.vllm_serving import vllm_python
+from tests.vllm_serving import vllm_env, vllm_python
 
 PROMPTS = ("Name three colours of the rainbow.", "Count from one to five.", "What is the capital of France?")
 NEW, K, FIT = 24, 3, 10
@@ -47,8 +47,7 @@ def test_passes_from_vllms_counters_by_hand():
 
 
 def eyas_cli(python: Path, argv: list[str], log: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")  # this checkout's eyas, either venv
     with open(log, "w") as f:
         return subprocess.run([str(python), "-m", "eyas", *argv], stdout=f, stderr=subprocess.STDOUT, env=env,
                               timeout=900, cwd=str(log.parent))

@@ -23,8 +23,9 @@ import torch
 from safetensors.torch import load_file
 
 from eyas.config import load_config
+from eyas.errors import ConfigError
 from eyas.extract.vllm_backend import engine_kwargs
-from eyas.vllm_engine import cpu_thread_binding, hf_overrides
+from eyas.vllm_engine import check_cpu_workers, cpu_thread_binding, hf_overrides
 from tests.extract.test_vllm_backend import needs_vllm, run_eyas_vllm
 from tests.data import run_prepare, write_synthetic_chats
 from tests.mla_reference import first_layer_attention, rope_frequencies
@@ -106,6 +107,9 @@ def test_engine_arguments_for_mla_targets_on_cpu():
     assert cpu_thread_binding(2, [0, 1]) == "0|1" and cpu_thread_binding(2, [0, 1, 2, 3, 5, 6]) == "0-2|3,5,6"
     with pytest.raises(Exception, match="need a core each"):
         cpu_thread_binding(4, [0, 1])
+    too_many = len(os.sched_getaffinity(0)) + 1  # the error names the setting that asked for them
+    with pytest.raises(ConfigError, match=rf"set --extract\.vllm_tensor_parallel_size \(x pipeline parallel\) to at most {too_many - 1}"):
+        check_cpu_workers(too_many, "regenerate")
 
 
 def test_layer_zero_of_a_deepseek_target_is_refused_for_vllm():

@@ -37,7 +37,7 @@ from eyas.extract.backend import relative_error
 from eyas.extract.vllm_backend import VLLMRequestError, engine_kwargs, load_final_norm, read_request
 from tests.data import write_shared_prefix_chats
 from tests.models import save_tiny
-from tests.vllm_serving import vllm_python
+from tests.vllm_serving import vllm_env, vllm_python
 
 
 def needs_vllm(test):
@@ -70,6 +70,19 @@ def test_engine_kwargs_ask_for_aux_layers_and_the_prenorm_last_layer():
     cpu = engine_kwargs(cfg, [2, 15, 27], 30, 513, torch.float32, Path("/scratch"), cpu=True)["kv_transfer_config"]
     assert cpu["kv_connector"] == "CPUHiddenStatesConnector"
     assert cpu["kv_connector_module_path"] == "eyas.extract.vllm_connector"
+
+
+def test_engine_args_that_replace_eyas_settings_are_said(capsys):
+    """extract.vllm_engine_args comes last; where it replaces what eyas set (here the compilation_config
+    that keeps vLLM's CPU rotary op away from MLA) the run says so, naming the flag."""
+    cfg = load_config(None, ["--extract.backend=vllm",
+                             '--extract.vllm_engine_args={"compilation_config": {"custom_ops": ["all"]}, "max_num_seqs": 7}'])
+    kw = engine_kwargs(cfg, [2, 15, 27], 30, 513, torch.float32, Path("/scratch"), cpu=True)
+    assert kw["compilation_config"] == {"custom_ops": ["all"]}
+    out = capsys.readouterr().out
+    assert ("--extract.vllm_engine_args.compilation_config={'custom_ops': ['all']} replaces eyas's "
+            "compilation_config={'custom_ops': ['all', '-rotary_embedding']}") in out
+    assert "max_num_seqs" not in out  # not one eyas sets
 
 
 def test_only_the_vllm_backend_modules_import_vllm():
@@ -167,8 +180,7 @@ def test_reader_waits_for_the_connectors_lock(tmp_path):
 
 def run_eyas_vllm(args: list[str], log: Path, timeout_s: int = 600) -> subprocess.CompletedProcess:
     """`eyas ...` in the vLLM venv (eyas is installed there, editable, by scripts/vllm-venv.sh)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
     with open(log, "w") as f:
         return subprocess.run([str(vllm_python()), "-m", "eyas", *args], stdout=f, stderr=subprocess.STDOUT,
                               env=env, timeout=timeout_s, cwd=str(log.parent))
