@@ -191,9 +191,11 @@ def run_dir_lock(run_dir: str | Path, command: str, what: str = "run directory")
     if str(run_dir) in held:
         yield
         return
+    made = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    locked = False
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -202,6 +204,7 @@ def run_dir_lock(run_dir: str | Path, command: str, what: str = "run directory")
             raise EyasError(f"{what} {run_dir} is in use by another eyas command ({_holder(path)}): two "
                             "commands in one directory replace each other's stage outputs. Wait for it to "
                             f"finish or stop it, or give this one another {flag} (lock: {path})") from None
+        locked = True
         holder = {"pid": os.getpid(), "host": socket.gethostname(), "command": f"eyas {command}",
                   "argv": [redact(a) for a in sys.argv], "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         os.ftruncate(fd, 0)
@@ -216,6 +219,11 @@ def run_dir_lock(run_dir: str | Path, command: str, what: str = "run directory")
                 os.environ.pop(LOCK_HELD, None)
             _LOCK_FDS.discard(fd)
     finally:
+        if locked and made:  # a directory this lock made that nothing was written into (a refusal) is not left behind
+            with contextlib.suppress(OSError):
+                if [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
+                    path.unlink()  # while still locked: a second command on it stops, it does not lock it too
+                    run_dir.rmdir()
         os.close(fd)  # releases the flock
 
 
