@@ -146,6 +146,39 @@ def key_echoed(m, work, server, extra):
     return held, f"exit {rc}, key in: {', '.join(leaks) or 'nothing'}, hint {'says refused' if hint else 'WRONG'}"
 
 
+@_with_server
+def sigterm_while_held(m, work, server, extra):
+    """SIGTERM while the server holds every request without a byte (regenerate.stall_s=120): before,
+    the command went on until the held requests timed out (its request threads were joined at
+    exit). Held: exit 143 within 15 s, summary.json marks regenerate interrupted."""
+    import os
+    import signal
+    import subprocess
+
+    server.mode = "stall"
+    run = work / "run"
+    log = work / "run.log"
+    args = [m.python, "-m", "eyas", *m.run_args(run, *extra, *SMALL, "--regenerate.stall_s=120")]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while server.requests < 1 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        rc = proc.wait(120)
+        seconds = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.mode = "fail"  # the held requests end
+    summary = run / "summary.json"
+    status = json.loads(summary.read_text())["stages"].get("regenerate", {}).get("status") if summary.is_file() else None
+    held = rc == 143 and seconds < 15 and status == "interrupted"
+    return held, f"SIGTERM with {server.requests} request(s) held: exit {rc} after {seconds:.1f} s, summary: regenerate {status}"
+
+
 CASES = [
     Case("server", "html-answer", html_answer, "regenerate"),
     Case("server", "429-retry-after", retry_after, "regenerate"),
@@ -153,4 +186,5 @@ CASES = [
     Case("server", "ignores-max-tokens", ignores_max_tokens, "regenerate"),
     Case("server", "non-utf8-bytes", non_utf8, "regenerate"),
     Case("server", "api-key-echoed", key_echoed, "regenerate"),
+    Case("server", "sigterm-while-requests-held", sigterm_while_held, "regenerate"),
 ]
