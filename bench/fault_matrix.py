@@ -38,7 +38,7 @@ def main() -> int:
         if a.only and cell.name not in a.only:
             continue
         o = m.run_cell(cell, a.seed)
-        rows.append({"cell": cell.name, "stage": cell.stage, "fault": cell.fault, "file": getattr(cell, "file", ""), "held": o.held,
+        rows.append({"cell": cell.name, "stage": cell.stage, "fault": cell.fault, "file": getattr(cell, "file", "") or getattr(cell, "label", ""), "held": o.held,
                      "result": o.result, "detail": o.detail, "seconds": round(o.seconds, 1)})
         print(f"{cell.name:48s} {'held' if o.held else 'NOT HELD':8s} {o.result:12s} {o.seconds:6.1f} s  {o.detail}",
               flush=True)

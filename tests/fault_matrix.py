@@ -208,7 +208,7 @@ class Matrix:
             work.mkdir(parents=True, exist_ok=True)
             try:
                 held, detail = cell.check(self, work, random.Random(f"{seed}-{cell.name}"))
-                return Outcome(held, "held" if held else "not held", detail, time.perf_counter() - t0)
+                return Outcome(held, "as required" if held else "not as required", detail, time.perf_counter() - t0)
             except Exception as e:  # a cell whose set-up itself broke: not held, said why
                 import traceback
 
