@@ -136,8 +136,9 @@ def refuse_foreign(stage: str, out: Path, key: str, run_dir: Path | None) -> Non
 def check_run(cfg: EyasConfig, stages: list[str], keys: dict[str, str]) -> None:
     """`eyas run`, before any stage: overlapping stage directories, and a stage directory that the
     stage could not replace when it runs (`refuse_foreign`); a directory it will skip (its meta.json
-    carries this run's key) is left alone. Then locks the stage directories that exist (inside the
-    run's `dir_locks`)."""
+    carries this run's key) is left alone. Then locks the stage directories there already that the
+    run will write (inside the run's `dir_locks`); one it only reads is not locked, so that runs
+    sharing an up-to-date prepare or extract directory (a sweep) run side by side."""
     check_overlaps(cfg, stages)
     end = stages.index(cfg.stop_after) + 1 if cfg.stop_after in stages else len(stages)
     for s in stages[:end]:
@@ -147,15 +148,18 @@ def check_run(cfg: EyasConfig, stages: list[str], keys: dict[str, str]) -> None:
                               f"--{s}.out_dir at a directory")
         if not is_empty(out) and recorded_key(out) != keys[s]:
             refuse_foreign(s, out, keys[s], Path(cfg.run_dir))
-    for out in sorted({d.resolve() for d in written_dirs("run", cfg, stages) if d.is_dir()}):
-        lock_also(out)  # the stage directories there already, for the rest of the run (the others as they are made)
+    for s in stages[:end]:  # a directory up to date is only read (runs of a sweep share one): locked if it is made again
+        out = cfg.stage_dir(s)
+        if out.is_dir() and recorded_key(out) != keys[s]:
+            lock_also(out.resolve())  # the stage directories to write that are there already (the others as made)
 
 
 def check_alone(command: str, cfg: EyasConfig) -> None:
     """A stage run alone (`eyas extract`, ...), before it locks its output directory: EyasError when
     that directory holds another stage's output (its meta.json or run_key.txt says so), or is not
-    empty and no eyas command wrote there (none of those, nor the lock every command leaves in the
-    directories it writes): its own files would overwrite what is there."""
+    empty and no eyas command wrote there (none of those, nor the lock that `eyas COMMAND` leaves in
+    the directories it writes: a lock another command left, refused before it wrote, is no record):
+    its own files would overwrite what is there."""
     if command not in STAGES:
         return
     out = cfg.stage_dir(command)
@@ -169,11 +173,19 @@ def check_alone(command: str, cfg: EyasConfig) -> None:
         record = "run_key.txt" if marker.get("stage") == other else "meta.json"
         raise EyasError(f"{out} holds the output of the {other} stage ({record} says so), which `eyas {command}` "
                         f"would overwrite: nothing is written; point --{command}.out_dir elsewhere")
-    if command == "export" or is_empty(out) or marker or meta_stage == command or (out / LOCK_FILE).exists():
+    if command == "export" or is_empty(out) or marker or meta_stage == command or locked_by(out) == f"eyas {command}":
         return  # (export checks each file in its way against its own records)
     raise EyasError(f"{out} is not empty and holds no record of an eyas command (no {command} meta.json, {MARKER} or "
                     f"{LOCK_FILE}): `eyas {command}` would write over what is there (its meta.json, config.yaml, ...). "
                     f"Nothing is written; point --{command}.out_dir at a new or empty directory")
+
+
+def locked_by(out: Path) -> str | None:
+    """The command the last holder of `out`'s lock file was (`eyas extract`, ...), or None."""
+    try:
+        return json.loads((out / LOCK_FILE).read_text()).get("command")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def recorded_key(out: Path) -> str | None:

@@ -83,7 +83,7 @@ SIGHUP from a closed terminal or ssh session."""
 
 @contextlib.contextmanager
 def sigterm_as_interrupt():
-    """SIGTERM or SIGHUP raises Terminated (a KeyboardInterrupt) in this process, once: the run
+    """SIGTERM or SIGHUP (unless ignored, as under nohup) raises Terminated (a KeyboardInterrupt) in this process, once: the run
     unwinds as on Ctrl-C (summary.json, engines stopped) and exits 128 + the signal (143, 129); the
     same signal again kills as by default. Processes forked from this one (worker pools) keep the
     default: they just stop. Where Python ignores the exception (a signal that lands in an at-fork
@@ -100,6 +100,9 @@ def sigterm_as_interrupt():
             os.kill(os.getpid(), signum)
             return
         TERMINATING[0] = signal.Signals(signum).name  # raised again between units of work if this one is swallowed
+        # the signal reached the process group too: torch's DataLoader SIGCHLD handler would raise "worker
+        # killed" over the unwinding (summary.json half written); its workers' deaths are now expected
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         raise Terminated(TERMINATING[0])
 
     def unraisable(u) -> None:  # raised where Python ignores exceptions (an at-fork hook): raised again
@@ -109,7 +112,8 @@ def sigterm_as_interrupt():
             return
         hook(u)
 
-    previous = {sig: signal.signal(sig, handler) for sig in STOPPING_SIGNALS}
+    # a signal ignored when eyas starts stays ignored: `nohup eyas run ...` outlives its terminal
+    previous = {sig: signal.signal(sig, handler) for sig in STOPPING_SIGNALS if signal.getsignal(sig) != signal.SIG_IGN}
     hook = sys.unraisablehook
     sys.unraisablehook = unraisable
     try:
@@ -153,15 +157,22 @@ def _disk_hint(e: BaseException) -> str:
     return ""
 
 
-def _not_permitted(e: BaseException) -> str:
-    """For a failure to write or read a path this user may not (EACCES, EPERM) or on a read-only
-    filesystem (EROFS), anywhere in its cause chain: the path and what to do; "" for anything else."""
+def write_roots(cfg) -> list[Path]:
+    """Where a command's outputs go: the run directory and every stage's directory."""
+    return [Path(cfg.run_dir).resolve(), *(cfg.stage_dir(s).resolve() for s in STAGES)]
+
+
+def _not_permitted(e: BaseException, roots: list[Path]) -> str:
+    """For a failure to write or read a path under `roots` (write_roots) this user may not (EACCES,
+    EPERM) or on a read-only filesystem (EROFS), anywhere in its cause chain: the path and what to
+    do; "" for anything else (a cache or /dev/shm of another user's is no --run_dir to change)."""
     import errno
 
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and e.filename:
+        if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS) and e.filename \
+                and any(Path(os.fsdecode(e.filename)).resolve().is_relative_to(r) for r in roots):
             return (f"{e.strerror}: {e.filename}: a directory or file this user may not write (or read), or a "
                     "read-only filesystem; give a --run_dir (or the stage's out_dir) where you can write, or change "
                     "its permissions, and run the same command again")
@@ -169,10 +180,11 @@ def _not_permitted(e: BaseException) -> str:
     return ""
 
 
-def exit_status(e: BaseException) -> int:
-    """The exit status `eyas` gives an exception: 2 a user error (EyasError), 128 + the signal for
-    SIGTERM or SIGHUP (143, 129), 130 Ctrl-C, 1 else."""
-    if isinstance(e, EyasError):
+def exit_status(e: BaseException, roots: list[Path] = ()) -> int:
+    """The exit status `eyas` gives an exception: 2 a user error (EyasError, or a path under `roots`
+    it may not write: _not_permitted), 128 + the signal for SIGTERM or SIGHUP (143, 129), 130
+    Ctrl-C, 1 else."""
+    if isinstance(e, EyasError) or (not isinstance(e, KeyboardInterrupt) and _not_permitted(e, roots)):
         return 2
     return 128 + e.signum if isinstance(e, Terminated) else 130 if isinstance(e, KeyboardInterrupt) else 1
 
@@ -191,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, rest = argv[0], argv[1:]
+    cfg = None
     try:
         if command == "assets":
             from eyas import assets
@@ -233,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eyas {command}: interrupted", file=sys.stderr)
         return 130
     except BaseException as e:  # anything unexpected: type, message and the full traceback, exit 1
-        if _not_permitted(e):  # a permission of the user's machine, not a fault of eyas: exit 2, as an EyasError
-            print(f"eyas {command}: error: {_not_permitted(e)}", file=sys.stderr)
+        said = _not_permitted(e, write_roots(cfg)) if cfg is not None else ""
+        if said:  # a permission of the user's machine, not a fault of eyas: exit 2, as an EyasError
+            print(f"eyas {command}: error: {said}", file=sys.stderr)
             return 2
         d = describe_exception(e)
         print(f"eyas {command}: {d['type']}: {d['message']}\n{d['traceback']}{_disk_hint(e)}{_torchrun_note(1)}",

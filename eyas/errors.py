@@ -91,12 +91,20 @@ def add_secret(value: str) -> None:
         SECRETS.add(value)
 
 
+SHORT_SECRET = 8
+"""A secret shorter than this (`EMPTY`, vLLM's usual dummy key; a short password) is hidden only
+where it stands alone (not inside a longer word), so that it does not garble every message."""
+
+
 def redact(text: str) -> str:
     """`text` with URL credentials (redact_urls) and every secret given to add_secret shown as ***:
     what every message, log line and file eyas writes goes through."""
     text = redact_urls(text)
     for secret in sorted(SECRETS, key=len, reverse=True):  # the longest first: one may hold another
-        text = text.replace(secret, "***")
+        if len(secret) >= SHORT_SECRET:
+            text = text.replace(secret, "***")
+        else:
+            text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(secret)}(?![A-Za-z0-9])", "***", text)
     return text
 
 

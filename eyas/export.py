@@ -289,7 +289,8 @@ def claim_out_dir(out: Path, formats) -> None:
                             f"records there, meta.json and {LEDGER}, do not name it): nothing is removed or "
                             "overwritten; move it away, or point --export.out_dir elsewhere")
     (out / "meta.json").unlink(missing_ok=True)  # incomplete from here until it is written again
-    stale = [rel for rel in sorted(own) if rel.split("/", 1)[0] in LAYOUTS and rel.split("/", 1)[0] not in formats]
+    known = set(layout_files(LAYOUTS))  # a record names only these (a hand-edited `sglang/../../x` is no file of its)
+    stale = [rel for rel in sorted(own & known) if rel.split("/", 1)[0] not in formats]
     for rel in stale:  # a layout from an earlier --format must not linger: its files, then its folder if emptied
         (out / rel).unlink(missing_ok=True)
     for fmt in LAYOUTS:

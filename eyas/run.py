@@ -810,13 +810,13 @@ def _record_failure(cfg: EyasConfig, run_dir: Path, record: dict[str, Any], stag
         print(f"[eyas:run] {stage} and the stages after it ran in one process apart, which stopped; what it did: "
               f"{run_dir / 'summary.json'}", file=sys.stderr, flush=True)
         return
-    from eyas.cli import exit_status
+    from eyas.cli import exit_status, write_roots
 
     status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
     record["stages"][stage] = {"status": status, "dir": str(out), "wall_s": round(wall, 2),
                                "error": describe_exception(exc)}
     record["failed_stage"] = stage
-    record["exit_status"] = exit_status(exc)  # eyas's own (torchrun reports 1 for any failed rank)
+    record["exit_status"] = exit_status(exc, write_roots(cfg))  # eyas's own (torchrun reports 1 for any failed rank)
     try:
         results = cfg.stage_dir("evaluate") / "results.json"
         if stage == "evaluate" and results.is_file() and results.stat().st_mtime >= started:

@@ -152,3 +152,55 @@ def test_the_run_log_is_never_written_through_a_symlink(tmp_path, capsys):
     assert cli(["run", f"--run_dir={run}", f"--prepare.data={chats}", "--target.model=/nonexistent/target"]) == 2
     assert f"{run / 'run.log'} is a symbolic link (to {victim})" in capsys.readouterr().err
     assert victim.read_text() == "kept"
+
+
+def test_a_lock_another_command_left_is_no_record_of_a_stage(tmp_path, capsys):
+    """`eyas export` refused in a folder of the user's leaves its lock file there; that lock is no
+    record that `eyas prepare` wrote the folder: prepare into it is refused too, nothing written."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("my own settings\n")
+    (mine / ".eyas.lock").write_text('{"pid": 1, "command": "eyas export"}')
+    before = snapshot(mine)
+    assert cli(["prepare", f"--run_dir={tmp_path / 'run'}", f"--prepare.out_dir={mine}",
+                f"--prepare.data={write_synthetic_chats(tmp_path / 'chats.jsonl', 2)}"]) == 2
+    assert "holds no record of an eyas command" in capsys.readouterr().err
+    assert snapshot(mine) == before
+
+
+def test_a_stage_directory_a_run_only_reads_is_not_locked_so_a_sweep_shares_it(tmp_path):
+    """Runs of a sweep that share an up-to-date extract directory (its meta.json carries their run
+    key) run side by side: `check_run` locks only the directories the run will write."""
+    from eyas.claims import check_run, dir_locks
+    from eyas.config import load_config
+    from eyas.run import run_keys, stage_plan
+
+    shared = tmp_path / "base" / "extract"
+    shared.mkdir(parents=True)
+    cfg = load_config(None, [f"--run_dir={tmp_path / 'sweep-1'}", f"--extract.out_dir={shared}",
+                             f"--prepare.data={write_synthetic_chats(tmp_path / 'chats.jsonl', 2)}"])
+    configs, stages = stage_plan(cfg)
+    keys = run_keys(configs, stages)
+    (shared / "meta.json").write_text('{"stage": "extract", "run_key": "%s"}' % keys["extract"])
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(shared)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"  # the other run of the sweep, which reads it
+    try:
+        with dir_locks([], "run"):
+            check_run(cfg, stages, keys)  # not "in use by another eyas command"
+        (shared / "meta.json").write_text('{"stage": "extract", "run_key": "v3:another"}')  # this run's, older
+        (shared / "run_key.txt").write_text(f"v3:another\nrun_dir={(tmp_path / 'sweep-1').resolve()}\nstage=extract\n"
+                                            f"dir={shared.resolve()}\n")
+        with dir_locks([], "run"), pytest.raises(Exception, match="in use by another eyas command"):
+            check_run(cfg, stages, keys)  # to be written: locked, and the holder is named
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+HOLD = """
+import sys, time
+from eyas.artifacts import run_dir_lock
+with run_dir_lock(sys.argv[1], "run", what="output directory"):
+    print("held", flush=True)
+    time.sleep(120)
+"""

@@ -97,3 +97,17 @@ def test_yaml_aliases_at_a_configs_size_still_work(tmp_path):
     cfg.write_text("regenerate:\n  extra_body: {top_k: &k 20, min_k: *k}\n")
     assert load_config(str(cfg), []).regenerate.extra_body == {"top_k": 20, "min_k": 20}
     assert load_config(None, ["--regenerate.extra_body={a: &a [1, 2], b: *a}"]).regenerate.extra_body == {"a": [1, 2], "b": [1, 2]}
+
+
+def test_keys_a_merge_brings_in_may_be_set_again_also_through_nested_anchors(tmp_path):
+    """`<<: *anchor` keys overridden in a mapping that is itself merged elsewhere: valid YAML, read
+    as yaml.safe_load reads it (the duplicate check sees the text as written, not the merged result)."""
+    import yaml
+
+    from eyas.config.base import read_yaml
+
+    text = "base: &base {lr: 1, wd: 2}\nx:\n  y: &b\n    <<: *base\n    lr: 3\nz:\n  <<: *b\n  e: 1\n"
+    path = tmp_path / "merged.yaml"
+    path.write_text(text)
+    assert read_yaml(path) == yaml.safe_load(text) == {"base": {"lr": 1, "wd": 2}, "x": {"y": {"lr": 3, "wd": 2}},
+                                                       "z": {"lr": 3, "wd": 2, "e": 1}}

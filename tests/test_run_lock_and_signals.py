@@ -162,3 +162,49 @@ def test_sighup_stops_the_run_as_sigterm_does_with_a_summary(tmp_path, smollm2_d
     assert summary["failed_stage"] == "prepare" and summary["stages"]["prepare"]["status"] == "interrupted"
     assert summary["stages"]["prepare"]["error"]["type"] == "eyas.errors.Terminated"
     assert summary["stages"]["prepare"]["error"]["message"] == "SIGHUP"
+
+
+NOHUP = """
+import os, signal, time
+signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it
+from eyas.cli import sigterm_as_interrupt
+from eyas.errors import Terminated
+try:
+    with sigterm_as_interrupt():
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.2)
+    print("went on")
+except Terminated:
+    print("terminated")
+"""
+
+
+def test_under_nohup_sighup_stays_ignored():
+    """`nohup eyas run ... &` outlives its terminal: a SIGHUP ignored when eyas starts stays ignored."""
+    assert _said_by(NOHUP) == "went on"
+
+
+DATALOADER_SIGCHLD = """
+import os, signal, time
+from eyas.cli import sigterm_as_interrupt
+from eyas.errors import Terminated
+def torch_like(signum, frame):  # what torch's DataLoader installs: raises when a worker died
+    raise RuntimeError("DataLoader worker (pid 1) is killed by signal: Terminated.")
+signal.signal(signal.SIGCHLD, torch_like)
+try:
+    with sigterm_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+except Terminated:
+    if os.fork() == 0:  # a worker that dies while the run unwinds (it got the SIGTERM too)
+        os._exit(0)
+    time.sleep(0.3)  # its SIGCHLD arrives here: must not raise over the unwinding
+    os.wait()
+    print("unwound")
+"""
+
+
+def test_a_worker_dying_of_the_same_sigterm_does_not_raise_over_the_unwinding():
+    """SIGTERM to the process group kills DataLoader workers too; torch's SIGCHLD handler would then
+    raise "worker killed" while summary.json is written. Once terminating, SIGCHLD is left alone."""
+    assert _said_by(DATALOADER_SIGCHLD) == "unwound"

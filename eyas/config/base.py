@@ -257,25 +257,35 @@ def safe_load(text: str) -> Any:
 
 
 class _UniqueKeyLoader(BoundedLoader):
-    """BoundedLoader (aliases bounded) that also refuses a key given twice in one mapping (YAML keeps
-    the last one, so a second `train:` section would silently replace the first). Keys a
-    `<<: *anchor` merge brings in may still be set again: overriding them is what a merge is for."""
+    """BoundedLoader (aliases bounded) that also refuses a key written twice in one mapping (YAML
+    keeps the last one, so a second `train:` section would silently replace the first). Checked on
+    the text as written, before merges: keys a `<<: *anchor` merge brings in may be set again,
+    overriding them is what a merge is for."""
 
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, Any] = {}
+    def compose_document(self):
+        node = super().compose_document()
+        _refuse_duplicate_keys(node, set())
+        return node
+
+
+def _refuse_duplicate_keys(node: yaml.Node, seen_nodes: set[int]) -> None:
+    if id(node) in seen_nodes:  # an alias: its node was checked where it was written
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[tuple[str, str], yaml.Node] = {}
         for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` keys may be overridden: that is its use
+            if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
                 continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                first = seen.setdefault(key, key_node)
-            except TypeError:  # an unhashable key: SafeLoader's own error says so
-                break
-            if first is not key_node:
+            was = first.setdefault((key_node.tag, key_node.value), key_node)
+            if was is not key_node:
                 where = key_node.start_mark.name
-                raise ConfigError(f"{where}:{first.start_mark.line + 1} and {where}:{key_node.start_mark.line + 1} both "
-                                  f"set {key!r}: YAML would keep only the second; merge them into one")
-        return super().construct_mapping(node, deep)
+                raise ConfigError(f"{where}:{was.start_mark.line + 1} and {where}:{key_node.start_mark.line + 1} both "
+                                  f"set {key_node.value!r}: YAML would keep only the second; merge them into one")
+    children = node.value if isinstance(node, yaml.SequenceNode) else \
+        [n for kv in node.value for n in kv] if isinstance(node, yaml.MappingNode) else []
+    for child in children:
+        _refuse_duplicate_keys(child, seen_nodes)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:

@@ -46,8 +46,12 @@ from eyas.target import describe_target, load_tokenizer
 OUTPUT = "conversations.jsonl"
 INPUTS = "inputs.json"
 """What the answers in OUTPUT are made from (`answer_inputs`), written before the first is appended."""
-HOW_IT_RUNS = ("enabled", "out_dir", "chunk_conversations")
-"""regenerate keys that do not shape an answer (besides eyas.run.BUDGET_KEYS' time and retry budgets)."""
+HOW_IT_RUNS = ("enabled", "out_dir", "chunk_conversations", "server_url")
+"""regenerate keys that do not shape an answer (besides eyas.run.BUDGET_KEYS' time and retry budgets):
+a server that moved to another address answers as before (server_model names what answers)."""
+OTHER_BACKENDS = {"server": ("device", "batch_size", "static_widths", "static_cache"),
+                  "hf": ("server_model", "extra_body"), "vllm": ("server_model", "extra_body")}
+"""Keys of the other backends, which the one in use ignores."""
 
 
 def regenerate_chunk(backend, tok, convs: list[Conversation], rc, counts: Counter,
@@ -180,7 +184,7 @@ def answer_inputs(cfg: EyasConfig) -> dict[str, Any]:
     from eyas.prepare import data_hash
     from eyas.run import BUDGET_KEYS
 
-    skip = set(BUDGET_KEYS["regenerate"]) | set(HOW_IT_RUNS)
+    skip = set(BUDGET_KEYS["regenerate"]) | set(HOW_IT_RUNS) | set(OTHER_BACKENDS.get(cfg.regenerate.backend, ()))
     settings = {f"target.{k}": v for k, v in to_dict(cfg.target).items()}
     settings.update({f"regenerate.{k}": v for k, v in to_dict(cfg.regenerate).items() if k not in skip})
     settings.update({f"prepare.{k}": getattr(cfg.prepare, k) for k in ("format", "system_prompt")})
@@ -209,9 +213,11 @@ def check_inputs(out: Path, now: dict[str, Any], done: set[int]) -> None:
     try:
         was = json.loads(path.read_text())
         was["data"]["sha256"], was["settings"].items()
-    except FileNotFoundError:
-        raise ConfigError(f"{out / OUTPUT} holds {len(done)} answered conversations but no record of what they were "
-                          f"made from ({path} is missing): {fix}") from None
+    except FileNotFoundError:  # answers of an earlier eyas, which kept no record: continued, said so (as train does)
+        print(f"[eyas:regenerate] {out / OUTPUT}: {len(done)} conversations answered by an earlier eyas, which recorded "
+              f"no inputs: continued, and this run's inputs recorded as theirs in {path} (not checked)", flush=True)
+        artifacts.atomic_write_text(path, json.dumps(now, indent=1))
+        return
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{path} is not a regenerate inputs record ({type(e).__name__}: {e}): {fix}") from e
     changed = changed_inputs(was, now)

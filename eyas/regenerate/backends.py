@@ -249,7 +249,6 @@ class ServerBackend:
         self.model = self.rc.server_model or cfg.target.model
         self.retried, self.stalls, self.waited_s = 0, 0, 0.0
         self.lock = threading.Lock()  # the counters above, from the pool's threads
-        self.stop = threading.Event()  # set when one request failed the chunk: the others stop retrying
         self.random = random.Random()  # the retries' jitter
         # an answer of max_new_tokens tokens takes far less: a server past this ignores max_tokens
         self.max_bytes = (1 << 20) + 4096 * self.rc.max_new_tokens
@@ -260,11 +259,11 @@ class ServerBackend:
     def generate_messages(self, prompts: list[list[dict[str, str]]], ids: list[str]) -> list[Answer]:
         """Answers to the chats (earlier assistant turns carry their `reasoning_content`: the
         server's chat template decides whether to show it, as for any client)."""
-        self.stop.clear()
-        return in_daemon_threads([lambda p=p, i=i: self._one(p, i) for p, i in zip(prompts, ids)],
-                                 self.rc.concurrency, self.stop)
+        stop = threading.Event()  # this call's own: a request left over from a failed call stays stopped
+        return in_daemon_threads([lambda p=p, i=i: self._one(p, i, stop) for p, i in zip(prompts, ids)],
+                                 self.rc.concurrency, stop)
 
-    def _one(self, messages: list[dict[str, str]], conv_id: str) -> Answer:
+    def _one(self, messages: list[dict[str, str]], conv_id: str, stop: threading.Event) -> Answer:
         """One answer, retried (connection errors, 429/5xx, stalls, not JSON, cut off, empty) with
         jittered waits that honour Retry-After, each failure said when it happens."""
         body = {
@@ -280,7 +279,7 @@ class ServerBackend:
         data = json.dumps(body).encode()
         attempts, waited = self.rc.retries + 1, 0.0
         for attempt in range(1, attempts + 1):
-            if self.stop.is_set():  # another conversation failed the chunk: its error is the one raised
+            if stop.is_set():  # another conversation failed the chunk: its error is the one raised
                 raise EyasError(f"regenerate: conversation {conv_id}: stopped, another conversation failed")
             try:
                 answer = self._ask(data, conv_id)
@@ -300,7 +299,7 @@ class ServerBackend:
                                 f"{self.rc.max_retry_wait_s:g}: raise it to wait longer, or lower "
                                 "regenerate.concurrency to ask the server for less at once")
             print(f"{said}; retrying in {wait:.1f} s; {self.shown}", file=sys.stderr, flush=True)
-            self.stop.wait(wait)
+            stop.wait(wait)
             waited += wait
             with self.lock:
                 self.retried += 1
@@ -445,8 +444,8 @@ def in_daemon_threads(calls: list, n: int, stop: threading.Event) -> list:
                     break
                 results[item[0]] = item[1]()
         except BaseException as e:  # handed to the caller's thread, which raises it
+            ended.put(e)  # before `stop`: the others' "stopped, another conversation failed" come after it
             stop.set()
-            ended.put(e)
             return
         ended.put(None)
 

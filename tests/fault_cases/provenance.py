@@ -22,23 +22,27 @@ def _stage_args(m, run: Path, *extra: str) -> list[str]:
 
 
 def regenerate_other_inputs(m, work: Path, rng) -> tuple[bool, str]:
-    """`eyas regenerate` into a finished run's answers with another data file, server model or
-    temperature: refused, naming the change, the answers and their records untouched."""
-    run = m.finished_run(work)
-    before = _files(run / "regenerate")
-    lines = m.chats.read_text().splitlines(keepends=True)
-    other = work / "other.jsonl"
-    other.write_text("".join(rng.sample(lines, len(lines) - 1)))  # one conversation fewer, in another order
-    said = []
-    for extra, key in [((f"--prepare.data={other}",), "prepare.data"),
-                       (("--regenerate.server_model=other-model",), "regenerate.server_model"),
-                       (("--regenerate.temperature=0.7",), "regenerate.temperature")]:
-        rc, out = m.eyas(["regenerate", *_stage_args(m, run, *extra)], work / f"{key}.log")
-        if rc != 2 or key not in out or _files(run / "regenerate") != before:
-            return False, f"{key} changed: exit {rc}, {'named' if key in out else 'not named'}, answers " \
-                          f"{'kept' if _files(run / 'regenerate') == before else 'changed'}"
-        said.append(key)
-    return True, f"refused (exit 2) naming {', '.join(said)}; the answers and meta.json untouched"
+    """`eyas regenerate` (the server backend) into a finished run's answers with another data file,
+    server model or temperature: refused, naming the change, the answers and their records untouched."""
+    server, served = m._server()
+    try:
+        run = m.finished_run(work, "run", *served)
+        before = _files(run / "regenerate")
+        lines = m.chats.read_text().splitlines(keepends=True)
+        other = work / "other.jsonl"
+        other.write_text("".join(rng.sample(lines, len(lines) - 1)))  # one conversation fewer, in another order
+        said = []
+        for extra, key in [((f"--prepare.data={other}",), "prepare.data"),
+                           (("--regenerate.server_model=other-model",), "regenerate.server_model"),
+                           (("--regenerate.temperature=0.7",), "regenerate.temperature")]:
+            rc, out = m.eyas(["regenerate", *_stage_args(m, run, *served, *extra)], work / f"{key}.log")
+            if rc != 2 or key not in out or _files(run / "regenerate") != before:
+                return False, f"{key} changed: exit {rc}, {'named' if key in out else 'not named'}, answers " \
+                              f"{'kept' if _files(run / 'regenerate') == before else 'changed'}"
+            said.append(key)
+        return True, f"refused (exit 2) naming {', '.join(said)}; the answers and meta.json untouched"
+    finally:
+        server.__exit__(None, None, None)
 
 
 def _changes(train_dir: Path) -> list[dict]:

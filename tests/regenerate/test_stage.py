@@ -115,8 +115,8 @@ def test_a_resume_under_other_inputs_is_refused_naming_what_changed(tmp_path, da
     other.write_text("\n".join(json.dumps(c) for c in CONVS[::-1]) + "\n")
     for extra, named in [((f"--prepare.data={other}",), [f"prepare.data: {data} ", f"-> {other}"]),
                          (("--regenerate.temperature=0.7",), ["regenerate.temperature: 0.0 -> 0.7"]),
-                         (("--regenerate.server_model=other", "--regenerate.max_new_tokens=9"),
-                          ["regenerate.server_model: '' -> 'other'", f"regenerate.max_new_tokens: {NEW} -> 9"])]:
+                         (("--regenerate.top_p=0.5", "--regenerate.max_new_tokens=9"),
+                          ["regenerate.top_p: 1.0 -> 0.5", f"regenerate.max_new_tokens: {NEW} -> 9"])]:
         with pytest.raises(ConfigError) as e:
             regenerate(load_config(None, [f"--run_dir={tmp_path}", f"--prepare.data={data}", "--target.dtype=float32",
                                           f"--regenerate.max_new_tokens={NEW}", *extra]))
@@ -129,3 +129,23 @@ def test_a_resume_under_other_inputs_is_refused_naming_what_changed(tmp_path, da
     assert (s["resumed_from"], s["regenerated_now"]) == (1, 1)
     meta = json.loads((out / "meta.json").read_text())
     assert meta["inputs"]["data"] == {"path": str(moved), "sha256": __import__("hashlib").sha256(data.read_bytes()).hexdigest()}
+
+
+def test_answers_of_an_earlier_eyas_continue_and_a_moved_server_is_the_same_inputs(tmp_path, data, capsys):
+    """Answers an earlier eyas wrote (no inputs.json) continue, said so, with this run's inputs
+    recorded; a server at another address (same server_model), or the hf backend's batch size with
+    the server backend, is no other input."""
+    import json
+
+    from eyas.regenerate import INPUTS, answer_inputs, check_inputs
+
+    out = tmp_path / "regenerate"
+    out.mkdir()
+    server = ["--regenerate.backend=server", "--regenerate.server_model=m"]
+    now = answer_inputs(cfg_for(tmp_path, data, *server, "--regenerate.server_url=http://127.0.0.1:8000"))
+    check_inputs(out, now, done={1, 2})
+    assert "answered by an earlier eyas, which recorded no inputs: continued" in capsys.readouterr().out
+    assert json.loads((out / INPUTS).read_text()) == now
+    moved = answer_inputs(cfg_for(tmp_path, data, *server, "--regenerate.server_url=http://127.0.0.1:9000",
+                                  "--regenerate.batch_size=8"))
+    check_inputs(out, moved, done={1, 2})  # not refused
