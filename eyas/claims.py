@@ -61,6 +61,8 @@ def check_overlaps(cfg: EyasConfig, stages: list[str]) -> None:
             raise ConfigError(f"{setting(cfg, a)} {overlap(dirs[a], run_dir)} the run directory --run_dir={cfg.run_dir}, "
                               f"whose run.log, summary.json and other stages the {a} stage would replace: give it a "
                               f"directory of its own (e.g. --{a}.out_dir={run_dir / a})")
+    if "extract" in stages:
+        check_spill_dirs(cfg, dirs, run_dir)
     pairs = [(a, b) for a in stages for b in STAGES if b != a and overlap(dirs[a], dirs[b])]
     if pairs:
         a, b = pairs[0]
@@ -70,6 +72,21 @@ def check_overlaps(cfg: EyasConfig, stages: list[str]) -> None:
         raise ConfigError(f"{setting(cfg, a)} {overlap(dirs[a], dirs[b])} {setting(cfg, b)}: each stage replaces its "
                           f"own output directory when it runs, so the {a} stage and the {b} stage would delete each "
                           f"other's output. Give each a directory of its own: change {' or '.join(given)}")
+
+
+def check_spill_dirs(cfg: EyasConfig, dirs: dict[str, Path], run_dir: Path) -> None:
+    """extract.spill_dirs hold extract's shards: none may lie in (or hold) another stage's directory,
+    which that stage replaces when it runs, nor hold the run directory."""
+    for given in cfg.extract.spill_dirs:
+        spill = Path(given).resolve()
+        if spill == run_dir or run_dir.is_relative_to(spill):
+            raise ConfigError(f"--extract.spill_dirs entry {given} {overlap(spill, run_dir)} the run directory "
+                              f"--run_dir={cfg.run_dir}: give the spill directory a place of its own")
+        for b in STAGES:
+            if b != "extract" and overlap(spill, dirs[b]):
+                raise ConfigError(f"--extract.spill_dirs entry {given} {overlap(spill, dirs[b])} {setting(cfg, b)}: the "
+                                  f"{b} stage replaces its directory when it runs, and extract's shards spilled there "
+                                  "with it. Give the spill directory a place of its own: change --extract.spill_dirs")
 
 
 def read_marker(out: Path) -> dict[str, str] | None:
@@ -141,13 +158,15 @@ def check_run(cfg: EyasConfig, stages: list[str], keys: dict[str, str]) -> None:
     sharing an up-to-date prepare or extract directory (a sweep) run side by side."""
     check_overlaps(cfg, stages)
     end = stages.index(cfg.stop_after) + 1 if cfg.stop_after in stages else len(stages)
+    remade = False  # an earlier stage runs: every later one is made again from its new output
     for s in stages[:end]:
         out = cfg.stage_dir(s)
         if out.exists() and not out.is_dir():
             raise ConfigError(f"{setting(cfg, s)}: {out} is a file, not a directory; nothing is removed: point "
                               f"--{s}.out_dir at a directory")
-        if not is_empty(out) and recorded_key(out) != keys[s]:
-            refuse_foreign(s, out, keys[s], Path(cfg.run_dir))
+        if not is_empty(out) and (remade or recorded_key(out) != keys[s]):
+            refuse_foreign(s, out, "" if remade else keys[s], Path(cfg.run_dir))
+        remade = remade or recorded_key(out) != keys[s]
     for s in stages[:end]:  # a directory up to date is only read (runs of a sweep share one): locked if it is made again
         out = cfg.stage_dir(s)
         if out.is_dir() and recorded_key(out) != keys[s]:

@@ -175,15 +175,19 @@ def test_a_stage_directory_a_run_only_reads_is_not_locked_so_a_sweep_shares_it(t
     from eyas.config import load_config
     from eyas.run import run_keys, stage_plan
 
-    shared = tmp_path / "base" / "extract"
-    shared.mkdir(parents=True)
-    cfg = load_config(None, [f"--run_dir={tmp_path / 'sweep-1'}", f"--extract.out_dir={shared}",
+    base = tmp_path / "base"
+    shared = base / "extract"
+    cfg = load_config(None, [f"--run_dir={tmp_path / 'sweep-1'}", f"--prepare.out_dir={base / 'prepare'}",
+                             f"--extract.out_dir={shared}",
                              f"--prepare.data={write_synthetic_chats(tmp_path / 'chats.jsonl', 2)}"])
     configs, stages = stage_plan(cfg)
     keys = run_keys(configs, stages)
-    (shared / "meta.json").write_text('{"stage": "extract", "run_key": "%s"}' % keys["extract"])
+    for s in ("prepare", "extract"):  # made by the run in base, with the sweep's settings
+        (base / s).mkdir(parents=True)
+        (base / s / "meta.json").write_text('{"stage": "%s", "run_key": "%s"}' % (s, keys[s]))
+        (base / s / "run_key.txt").write_text(f"{keys[s]}\nrun_dir={base.resolve()}\nstage={s}\ndir={(base / s).resolve()}\n")
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(shared)], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"  # the other run of the sweep, which reads it
+    assert holder.stdout.readline().strip() == "held"  # another command on it (the sweep's other runs only read it)
     try:
         with dir_locks([], "run"):
             check_run(cfg, stages, keys)  # not "in use by another eyas command"
@@ -197,10 +201,37 @@ def test_a_stage_directory_a_run_only_reads_is_not_locked_so_a_sweep_shares_it(t
         holder.wait()
 
 
-HOLD = """
-import sys, time
-from eyas.artifacts import run_dir_lock
-with run_dir_lock(sys.argv[1], "run", what="output directory"):
-    print("held", flush=True)
-    time.sleep(120)
-"""
+
+
+def test_a_spill_directory_in_another_stages_directory_is_refused_before_anything_runs(tmp_path, capsys):
+    """extract.spill_dirs inside train's directory: train would delete the spilled shards when it
+    runs. Refused before any stage, naming both settings."""
+    run = tmp_path / "run"
+    chats = write_synthetic_chats(tmp_path / "chats.jsonl", 2)
+    base = ["run", f"--run_dir={run}", f"--prepare.data={chats}", "--target.model=/nonexistent/target"]
+    for spill, said in ((run / "train" / "spill", f"lies inside --run_dir={run} (its train/)"),
+                        (tmp_path, "contains the run directory")):
+        assert cli([*base, f"--extract.spill_dirs=[{spill}]"]) == 2
+        err = capsys.readouterr().err
+        assert f"--extract.spill_dirs entry {spill} {said}" in err, err
+    assert not (run / "train").exists()
+
+
+def test_another_runs_directory_that_an_earlier_stage_would_make_stale_is_refused_before_anything_runs(tmp_path):
+    """B's extract directory is A's, made with B's very settings, but B's prepare has not run: B
+    would prepare, then have to make A's extract again. Refused before prepare runs, naming A."""
+    from eyas.claims import check_run, dir_locks
+    from eyas.config import load_config
+    from eyas.run import run_keys, stage_plan
+
+    a, b = tmp_path / "A", tmp_path / "B"
+    shared = a / "extract"
+    shared.mkdir(parents=True)
+    cfg = load_config(None, [f"--run_dir={b}", f"--extract.out_dir={shared}",
+                             f"--prepare.data={write_synthetic_chats(tmp_path / 'chats.jsonl', 2)}"])
+    configs, stages = stage_plan(cfg)
+    keys = run_keys(configs, stages)
+    (shared / "meta.json").write_text('{"stage": "extract", "run_key": "%s"}' % keys["extract"])
+    (shared / "run_key.txt").write_text(f"{keys['extract']}\nrun_dir={a.resolve()}\nstage=extract\ndir={shared.resolve()}\n")
+    with dir_locks([], "run"), pytest.raises(Exception, match=f"holds the extract output of the run in {a.resolve()}"):
+        check_run(cfg, stages, keys)
