@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 from eyas.config import STAGES
-from eyas.errors import TERMINATING, EyasError, Terminated, describe_exception, exception_message
+from eyas.errors import TERMINATING, EyasError, Terminated, describe_exception, exception_message, stopped_by
 
 USAGE = """usage: eyas <command> [config.yaml] [--section.key=value ...]
 
@@ -157,6 +157,16 @@ def _disk_hint(e: BaseException) -> str:
     return ""
 
 
+def _stopped(command: str, e: BaseException) -> int:
+    """A run a signal stopped, though an error raised over it is what came out (errors.stopped_by):
+    said as stopped, with that error named, and the signal's exit status."""
+    stop = stopped_by(e)
+    what = signal.Signals(stop.signum).name if isinstance(stop, Terminated) else "Ctrl-C"
+    print(f"eyas {command}: terminated ({what}); as it unwound, {type(e).__name__}: {exception_message(e)}",
+          file=sys.stderr)
+    return exit_status(e)
+
+
 def write_roots(cfg) -> list[Path]:
     """Where a command's outputs go: the run directory and every stage's directory."""
     return [Path(cfg.run_dir).resolve(), *(cfg.stage_dir(s).resolve() for s in STAGES)]
@@ -184,9 +194,10 @@ def exit_status(e: BaseException, roots: list[Path] = ()) -> int:
     """The exit status `eyas` gives an exception: 2 a user error (EyasError, or a path under `roots`
     it may not write: _not_permitted), 128 + the signal for SIGTERM or SIGHUP (143, 129), 130
     Ctrl-C, 1 else."""
-    if isinstance(e, EyasError) or (not isinstance(e, KeyboardInterrupt) and _not_permitted(e, roots)):
-        return 2
-    return 128 + e.signum if isinstance(e, Terminated) else 130 if isinstance(e, KeyboardInterrupt) else 1
+    stop = stopped_by(e)
+    if stop is not None:
+        return 128 + stop.signum if isinstance(stop, Terminated) else 130
+    return 2 if isinstance(e, EyasError) or _not_permitted(e, roots) else 1
 
 
 def _torchrun_note(rc: int) -> str:
@@ -237,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                 result = importlib.import_module(f"eyas.{command}").main(cfg)
         return int(result) if isinstance(result, int) else 0
     except EyasError as e:
+        if stopped_by(e):  # raised while a signal unwound the run: the signal is what stopped it
+            return _stopped(command, e)
         print(f"eyas {command}: error: {exception_message(e)}{_disk_hint(e)}{_torchrun_note(2)}", file=sys.stderr)
         return 2
     except Terminated as e:
@@ -246,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eyas {command}: interrupted", file=sys.stderr)
         return 130
     except BaseException as e:  # anything unexpected: type, message and the full traceback, exit 1
+        if stopped_by(e):  # a library's cleanup that failed as the signal unwound it: the signal stopped the run
+            return _stopped(command, e)
         said = _not_permitted(e, write_roots(cfg)) if cfg is not None else ""
         if said:  # a permission of the user's machine, not a fault of eyas: exit 2, as an EyasError
             print(f"eyas {command}: error: {said}", file=sys.stderr)

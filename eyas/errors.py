@@ -108,6 +108,20 @@ def redact(text: str) -> str:
     return text
 
 
+def stopped_by(exc: BaseException | None) -> KeyboardInterrupt | None:
+    """The Ctrl-C or Terminated (SIGTERM, SIGHUP) that `exc` is, or was raised while unwinding: a
+    library's cleanup that fails as the signal passes through it (torch.save's zip writer, cut in
+    the middle of a file: "unexpected pos 64 vs 0") raises its own error over the stop, and the
+    stop is what happened. None when no signal stopped it."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, KeyboardInterrupt):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def exception_message(exc: BaseException) -> str:
     """str(exc), or repr(exc) when str is empty (a bare `raise RuntimeError()` prints nothing); redacted."""
     text = str(exc)

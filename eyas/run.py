@@ -44,7 +44,7 @@ from typing import Any
 from eyas import artifacts, claims
 from eyas.config import RESUMABLE, STAGES, EyasConfig, to_dict
 from eyas.errors import (SECRETS, ArtifactError, ConfigError, DamagedArtifact, EyasError, describe_exception,
-                         raise_if_terminated, redact)
+                         raise_if_terminated, redact, stopped_by)
 
 # The config sections whose values define each stage's output (besides the stage before it).
 SECTIONS = {
@@ -812,7 +812,7 @@ def _record_failure(cfg: EyasConfig, run_dir: Path, record: dict[str, Any], stag
         return
     from eyas.cli import exit_status, write_roots
 
-    status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+    status = "interrupted" if stopped_by(exc) else "failed"  # also an error raised over the signal as it unwound
     record["stages"][stage] = {"status": status, "dir": str(out), "wall_s": round(wall, 2),
                                "error": describe_exception(exc)}
     record["failed_stage"] = stage
