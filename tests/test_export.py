@@ -254,3 +254,10 @@ def test_export_removes_and_overwrites_only_the_files_its_records_say_it_wrote(t
     rc, err = export_to(linked)
     assert rc == 2 and str(linked / "sglang") in err, err
     assert (tmp_path / "elsewhere" / "model.safetensors").read_bytes() == b"not a draft of ours"
+
+    (tmp_path / "outside.txt").write_text("not export's")  # a record edited by hand to name a file outside
+    assert export_to(mine)[0] == 0  # both layouts again: speculators/ is there to be walked out of
+    ledger = mine / ".eyas-export-files.json"
+    ledger.write_text(json.dumps([*json.loads(ledger.read_text()), "speculators/../../outside.txt"]))
+    assert export_to(mine, "--format", "sglang")[0] == 0
+    assert (tmp_path / "outside.txt").read_text() == "not export's"  # only its layouts' own file names are removed

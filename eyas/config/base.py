@@ -293,7 +293,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        with open(path, encoding="utf-8") as f:  # a stream: marks carry the file's name
+        with open(path, encoding="utf-8") as f:  # read from the file, YAML's marks name it (file:line)
             data = yaml.load(f, Loader=_UniqueKeyLoader)
     except AliasBomb as e:
         raise ConfigError(f"{path}: {e}") from None
