@@ -9,7 +9,7 @@
   also records the run directory that made it), or it is refused; a directory made by another run
   with other settings is refused naming that run and the flag to change, never removed.
 
-`claim_stage_dir` (eyas.run) applies the same rule again when it is about to replace a directory.
+`claim_stage_dir` applies the same rule again when `eyas run` is about to replace a directory.
 Each directory a command writes is locked (`dir_locks`), not only the run directory: two commands
 writing one stage directory from two run directories (or none) stop at the second one.
 """
@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from eyas.artifacts import LOCK_FILE, run_dir_lock
+from eyas.artifacts import LOCK_FILE, atomic_write_text, run_dir_lock
 from eyas.config import STAGES, EyasConfig
 from eyas.errors import ConfigError, EyasError
 
@@ -133,7 +133,7 @@ def refuse_foreign(stage: str, out: Path, key: str, run_dir: Path | None) -> Non
     if marker is None:
         raise EyasError(f"{out} is not empty and was not made by `eyas run`: nothing is removed; remove it yourself "
                         f"or point --{stage}.out_dir elsewhere")
-    from eyas.run import KEY_SCHEME
+    from eyas.run.plan import KEY_SCHEME
 
     if not marker["key"].startswith(f"{KEY_SCHEME}:"):
         raise EyasError(f"{out} was made by an earlier eyas, whose run keys this one cannot compare: nothing is "
@@ -223,6 +223,31 @@ def clear(out: Path) -> None:
             shutil.rmtree(p)
         else:
             p.unlink()
+
+
+INPUTS_CHANGED = "its inputs changed: an earlier stage ran again"
+
+
+def claim_stage_dir(stage: str, out: Path, key: str, fresh: bool = False,
+                    why_fresh: str = INPUTS_CHANGED, run_dir: Path | None = None) -> bool:
+    """Make `out` ready for a run of `stage` with `key`; True when an interrupted or partial run
+    with the same key is there to resume. A complete or partial output made by `eyas run` with
+    other settings, or (`fresh`) from inputs that have changed since, is removed; a non-empty
+    directory `eyas run` did not make, made with another KEY_SCHEME, or (given `run_dir`, the run
+    claiming it) made by another run with other settings, is never touched (`refuse_foreign`)."""
+    lock_also(out)  # held until the run ends (dir_locks)
+    if not is_empty(out):
+        marker = read_marker(out)
+        refuse_foreign(stage, out, key if marker and marker["key"] == key and not fresh else "", run_dir)
+        same = marker["key"] == key
+        if same and not fresh:  # resumed when there is something to resume: a claim alone (by a parent
+            return any(p.name not in (MARKER, LOCK_FILE) for p in out.iterdir())  # `eyas run`) starts afresh
+        why = why_fresh if same else "made with other settings"
+        print(f"[eyas:run] {stage}: removing {out} ({why})", flush=True)
+        clear(out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / MARKER, marker_text(key, run_dir, stage, out))
+    return False
 
 
 # --- locks ---------------------------------------------------------------------------------------

@@ -85,8 +85,9 @@ def test_a_run_never_removes_a_stage_directory_another_run_made(tmp_path, capsys
     runs, naming run A and --extract.out_dir, and A's shards stay. At the claim itself (the last
     guard, also for inputs that changed under the same key) the same. Its own run's directory of
     other settings is still replaced; the same key resumes."""
+    from eyas.claims import claim_stage_dir
     from eyas.errors import EyasError
-    from eyas.run import KEY_SCHEME, claim_stage_dir
+    from eyas.run.plan import KEY_SCHEME
 
     a, b = tmp_path / "A", tmp_path / "B"
     (a / "extract" / "shards").mkdir(parents=True)  # as run A's extract left it
@@ -173,7 +174,7 @@ def test_a_stage_directory_a_run_only_reads_is_not_locked_so_a_sweep_shares_it(t
     key) run side by side: `check_run` locks only the directories the run will write."""
     from eyas.claims import check_run, dir_locks
     from eyas.config import load_config
-    from eyas.run import run_keys, stage_plan
+    from eyas.run.plan import run_keys, stage_plan
 
     base = tmp_path / "base"
     shared = base / "extract"
@@ -222,7 +223,7 @@ def test_another_runs_directory_that_an_earlier_stage_would_make_stale_is_refuse
     would prepare, then have to make A's extract again. Refused before prepare runs, naming A."""
     from eyas.claims import check_run, dir_locks
     from eyas.config import load_config
-    from eyas.run import run_keys, stage_plan
+    from eyas.run.plan import run_keys, stage_plan
 
     a, b = tmp_path / "A", tmp_path / "B"
     shared = a / "extract"

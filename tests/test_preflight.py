@@ -1,4 +1,4 @@
-"""`eyas run`'s preflight (eyas/run.py): what the config and the target's config.json allow is
+"""`eyas run`'s preflight (eyas/run/preflight.py): what the config and the target's config.json allow is
 checked before the first stage runs, not when the stage that needs it starts (after prepare,
 regenerate or extract have spent their time): aux layer ids against the target's layers (a
 multimodal wrapper's nested text config), the draft vocabulary against the target's, the draft's
@@ -77,7 +77,7 @@ def test_a_multimodal_wrapper_is_checked_against_its_text_config(tmp_path):
     one (only config.json is read: no weights, no tokenizer)."""
     import transformers as tf
 
-    from eyas.run import preflight
+    from eyas.run.preflight import preflight
 
     text = tf.LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2)

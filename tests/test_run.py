@@ -16,7 +16,7 @@ import time
 import pytest
 
 from eyas.cli import main as cli
-from eyas.run import DIE_WITH_PARENT
+from eyas.run.ranks import DIE_WITH_PARENT
 from tests.data import write_synthetic_chats
 from tests.faults import Poison, poison_backend
 from tests.models import save_tiny
@@ -305,7 +305,7 @@ def test_run_stops_when_extract_drops_samples_then_retries_them(tmp_path, smollm
 
 def test_online_training_plans_no_extract_stage(tmp_path):
     from eyas.config import load_config
-    from eyas.run import run_keys, stage_plan
+    from eyas.run.plan import run_keys, stage_plan
 
     y = recipe(tmp_path, "unused-target")
     offline = stage_plan(load_config(str(y), []))[1]
@@ -326,7 +326,7 @@ def test_a_key_that_changes_the_draft_reruns_train_and_what_follows_not_extract(
     draft: train's key, and export's and evaluate's after it, change while extract's does not;
     init_vocab=remap differs from init_from alone; evaluate.target_outputs changes evaluate's key only;
     in online training extract.layer_ids (the aux layers it captures) changes train's key."""
-    import eyas.run as r
+    import eyas.run.plan as r
     from eyas.config import load_config
 
     y = recipe(tmp_path, "unused-target")
@@ -354,7 +354,7 @@ def test_keys_of_how_a_stage_runs_leave_the_run_key_alone(tmp_path):
     """Budgets and ways of running that do not change what a stage makes (train's time limits,
     workers, loss kernel, the online target's forward grouping) keep every stage's key, so a
     later `eyas run` with them continues the run; a key that changes the draft does not."""
-    import eyas.run as r
+    import eyas.run.plan as r
     from eyas.config import load_config
 
     y = recipe(tmp_path, "unused-target")
@@ -401,8 +401,9 @@ def test_a_stage_directory_of_another_key_scheme_is_never_removed(tmp_path):
     """A stage directory whose run key an earlier eyas wrote (a bare hash: its keys hashed other
     sections) is refused, not removed as "made with other settings": it may hold a training's
     checkpoints. One of this scheme with other settings is removed; one with the same key resumes."""
+    from eyas.claims import MARKER, claim_stage_dir
     from eyas.errors import EyasError
-    from eyas.run import KEY_SCHEME, MARKER, claim_stage_dir
+    from eyas.run.plan import KEY_SCHEME
 
     old = tmp_path / "train"
     (old / "checkpoints").mkdir(parents=True)
@@ -424,7 +425,9 @@ def test_a_stage_run_apart_says_running_and_leaves_stop_after_to_its_parent(tmp_
     it (run_alone): the child starts it ("running", a claim alone is nothing to resume, not
     "resuming"), and where it stops at extract says the run goes on, not "stop_after=extract:
     stopping here" (a setting the user never gave)."""
-    from eyas.run import APART, KEY_SCHEME, MARKER, apart_env, claim_stage_dir
+    from eyas.claims import MARKER, claim_stage_dir
+    from eyas.run.plan import KEY_SCHEME
+    from eyas.run.ranks import APART, apart_env
 
     claimed = tmp_path / "claimed"
     claimed.mkdir()
@@ -541,7 +544,7 @@ def test_a_stage_run_apart_that_crashes_is_its_failure_not_a_missing_output(tmp_
 
     from eyas.config import load_config
     from eyas.errors import EyasError
-    from eyas.run import run_alone
+    from eyas.run.ranks import run_alone
     from tests.test_preflight import draft_for_layers
 
     SHAPE = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_attention_heads=4)
@@ -559,7 +562,7 @@ def test_a_run_key_hashes_only_the_settings_that_differ_from_their_defaults(tmp_
     removes nothing): a setting given at its default value keys like one not given; any other value
     changes the keys from that stage on."""
     from eyas.config import load_config
-    from eyas.run import changed_fields, run_keys, stage_plan
+    from eyas.run.plan import changed_fields, run_keys, stage_plan
 
     def keys(*overrides):
         configs, stages = stage_plan(load_config(None, [f"--run_dir={tmp_path}", "--prepare.data=x.jsonl", *overrides]))

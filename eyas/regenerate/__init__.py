@@ -47,7 +47,7 @@ OUTPUT = "conversations.jsonl"
 INPUTS = "inputs.json"
 """What the answers in OUTPUT are made from (`answer_inputs`), written before the first is appended."""
 HOW_IT_RUNS = ("enabled", "out_dir", "chunk_conversations", "server_url")
-"""regenerate keys that do not shape an answer (besides eyas.run.BUDGET_KEYS' time and retry budgets):
+"""regenerate keys that do not shape an answer (besides eyas.run.plan.BUDGET_KEYS' time and retry budgets):
 a server that moved to another address answers as before (server_model names what answers)."""
 OTHER_BACKENDS = {"server": ("device", "batch_size", "static_widths", "static_cache"),
                   "hf": ("server_model", "extra_body"), "vllm": ("server_model", "extra_body")}
@@ -182,7 +182,7 @@ def answer_inputs(cfg: EyasConfig) -> dict[str, Any]:
     file under another path continues its answers. prepare.max_conversations is left out: it says
     how many of the data's conversations to answer, and a larger one continues the file."""
     from eyas.prepare import data_hash
-    from eyas.run import BUDGET_KEYS
+    from eyas.run.plan import BUDGET_KEYS
 
     skip = set(BUDGET_KEYS["regenerate"]) | set(HOW_IT_RUNS) | set(OTHER_BACKENDS.get(cfg.regenerate.backend, ()))
     settings = {f"target.{k}": v for k, v in to_dict(cfg.target).items()}

@@ -88,7 +88,7 @@ def settings(tc: TrainConfig, sched) -> dict[str, Any]:
     """The train settings a checkpoint records, to compare a resume's with, the `seed` and world
     size that order the data, and the schedule they make (`sched`, a loop.Schedule):
     `schedule.total_steps` (train.max_steps, or epochs x the data) and `schedule.warmup_steps`."""
-    from eyas.run import BUDGET_KEYS
+    from eyas.run.plan import BUDGET_KEYS
 
     skip = set(NOT_RECORDED) | set(BUDGET_KEYS["train"])
     out = {f"train.{k}": v for k, v in to_dict(tc).items() if k not in skip}

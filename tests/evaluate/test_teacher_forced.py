@@ -25,7 +25,7 @@ def test_simulate_mode_gives_the_chain_decoders_passes_without_decoding(tiny_run
     from eyas.cli import main
     from eyas.draft_files import save_draft
     from eyas.evaluate.inputs import render
-    from eyas.run import _evaluation, print_summary
+    from eyas.run.summary import evaluation, print_summary
     from eyas.spec import target_generate
 
     root, _ = tiny_run
@@ -81,7 +81,7 @@ def test_simulate_mode_gives_the_chain_decoders_passes_without_decoding(tiny_run
     assert sim["tau_tree_simulated"] == tt["tau_sim"] <= tree["tau_tree"]
     assert "simulated tree 6/3/3 tau" in printed and "no tree decoded to compare" in printed
     # eyas run's summary names the simulated taus and prints no lossless verdict for them
-    print_summary({"run_dir": "r", "stages": {}, **_evaluation(tmp_path / "sim")})
+    print_summary({"run_dir": "r", "stages": {}, **evaluation(tmp_path / "sim")})
     summary = capsys.readouterr().out
     cond = " ".join(f"{p['conditional']:.2f}" for p in tf["acceptance_per_position"])
     assert f"tau {tf['tau_sim']:.3f} simulated" in summary and cond in summary and "lossless" not in summary

@@ -70,7 +70,7 @@ def test_spill_dirs_take_the_shards_that_do_not_fit(tmp_path, prep, tiny_dirs, s
         run_extract(tmp_path / "other", prep, model, f"--extract.spill_dirs=[{spill}]")
     with pytest.raises(ConfigError, match="output directory itself"):
         run_extract(tmp_path, prep, model, f"--extract.out_dir={out}", f"--extract.spill_dirs=[{out}]")
-    from eyas.run import run_keys, stage_plan
+    from eyas.run.plan import run_keys, stage_plan
 
     def extract_key(*extra):
         return run_keys(*stage_plan(load_config(None, overrides(tmp_path, prep, model, *extra))))["extract"]

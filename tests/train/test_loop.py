@@ -254,7 +254,7 @@ def test_stop_by_stops_early_and_is_not_part_of_the_run_key(tmp_path, smol_prep,
     """A deadline already past: a warning at the start, then the first logging window is trained,
     saved and recorded as stopped early (as max_seconds); `--train.resume=auto` with a later
     deadline finishes it, and the deadline is not part of `eyas run`'s key for the stage."""
-    from eyas.run import run_keys, stage_plan
+    from eyas.run.plan import run_keys, stage_plan
 
     cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.max_steps=5",
                    "--train.log_every=2", "--train.stop_by=1")
