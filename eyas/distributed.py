@@ -90,6 +90,24 @@ def broadcast_object(obj: Any, group) -> Any:
     return box[0]
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order, on every rank ([obj] at world size 1). A collective."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    box: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(box, obj)
+    return box
+
+
+def rank0_object(obj: Any) -> Any:
+    """Rank 0's `obj` on every rank (the others pass None; `obj` itself at world size 1). A collective."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum of `x` over ranks, in place (`x` itself at world size 1)."""
     if dist.is_available() and dist.is_initialized():

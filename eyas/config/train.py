@@ -4,8 +4,9 @@ import math
 from dataclasses import dataclass, field
 
 from eyas.config.base import require
+from eyas.config.stream import StreamConfig
 
-MODES = ("offline", "online")
+MODES = ("offline", "online", "stream")
 PRECISIONS = ("auto", "bf16", "fp32")
 PARALLELS = ("auto", "ddp", "fsdp")
 ATTENTIONS = ("auto", "sdpa", "flex")
@@ -21,7 +22,9 @@ FLOAT_KNOBS = ("step_weight", "top1_weight", "lr", "min_lr_ratio", "warmup_ratio
 class TrainConfig:
     mode: str = "offline"
     """offline: read the target's hidden states from the extract stage's shards; online: run the
-    target in the same job on each batch (no disk; needs the prepare stage only)."""
+    target in the same job on each batch (no disk; needs the prepare stage only); stream: vLLM
+    engines (Ray actors) capture the states and hand them over through Mooncake's store
+    (train.stream; no disk; needs the prepare stage only)."""
     ttt_steps: int = 7
     """Training-time-test steps: how many tokens ahead the draft is unrolled on its own outputs."""
     step_weight: float = 0.8
@@ -207,6 +210,8 @@ class TrainConfig:
     """Also write TensorBoard events to OUT_DIR/tb (needs the tensorboard package)."""
     out_dir: str = ""
     """Output directory; empty = RUN_DIR/train."""
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    """train.mode=stream: engines, Ray, Mooncake store and the window of states on their way."""
 
     def draft_shape(self) -> dict:
         """The train.* keys that shape the draft, as DraftConfig.from_target takes them."""

@@ -46,9 +46,9 @@ KEY_SCHEME = "v3"
 def stage_plan(cfg: EyasConfig) -> tuple[dict[str, EyasConfig], list[str]]:
     """The stages to run and the config each sees: with regenerate enabled, regenerate reads
     `prepare.data` and every later stage sees prepare reading regenerate's conversations; online
-    training needs no extract stage."""
+    and stream training need no extract stage."""
     stages = [s for s in STAGES if (s != "regenerate" or cfg.regenerate.enabled)
-              and (s != "extract" or cfg.train.mode != "online")]
+              and (s != "extract" or cfg.train.mode == "offline")]
     later = copy.deepcopy(cfg)
     if cfg.regenerate.enabled:
         later.prepare.data = str(cfg.stage_dir("regenerate") / "conversations.jsonl")
@@ -63,8 +63,10 @@ def run_keys(configs: dict[str, EyasConfig], stages: list[str]) -> dict[str, str
         if s == "regenerate":  # regenerate reads only the data fields of prepare
             p = sections["prepare"]
             sections["prepare"] = {k: p[k] for k in ("data", "format", "max_conversations", "system_prompt") if k in p}
-        if s == "train" and "extract" not in stages:  # online: train captures the aux layers itself
+        if s == "train" and "extract" not in stages:  # online, stream: train captures the aux layers itself
             sections["extract"] = {"layer_ids": configs[s].extract.layer_ids}
+            if configs[s].train.mode == "stream":
+                sections["extract"]["store_dtype"] = configs[s].extract.store_dtype
         for name, budget in BUDGET_KEYS.items():
             if name in sections:
                 sections[name] = {k: v for k, v in sections[name].items() if k not in budget}

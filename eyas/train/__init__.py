@@ -70,6 +70,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
         atomic_write_text(out / "config.yaml", dump_config(cfg))
     barrier()
     stepping = False
+    stream = None  # train.mode=stream: the engines and the store (eyas.stream.Session)
     late_s = time.time() - tc.stop_by
     if rank == 0 and tc.stop_by and late_s > 0:
         print(f"[eyas:train] warning: train.stop_by={tc.stop_by:.0f} passed {late_s:.0f} s ago: "
@@ -88,19 +89,30 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
         if resume is not None:  # before the checkpoint's state is read, or a draft of this shape built
             checkpoint.check_checkpoint(resume, ("draft_config.json", resuming.IDENTITY))  # the rest: on load
             resuming.check_resume(resume, identity, build.draft_config(cfg, data).to_dict())
+        if tc.mode == "stream" and data.states is None:
+            from eyas.stream import open_stream
+
+            stream = open_stream(cfg, data, rank, world_size, out)
+            data.states = stream.states
         tr, dcfg = build.build_trainer(cfg, data, device, rank, world_size, sched.total, init=resume is None)
         tr.identity = identity
         pad = tc.pad_multiple or (flex_row_length(tc.max_tokens) if tr.attention == "flex" else 0)
         workers = tc.num_workers if tc.num_workers >= 0 else (2 if device.type == "cuda" else 0)
         eval_plans = epoch_batches(eval_idx, data.lengths, tc.max_tokens, cfg.seed, 0, rank, world_size, shuffle=False)
+        if tc.eval_max_batches:
+            eval_plans = eval_plans[: tc.eval_max_batches]
         eval_fn = (lambda: batch_loader(data.source, eval_plans, tc.ttt_steps, tc.max_tokens, pad, workers,
                                         device.type == "cuda", tc.loader_timeout_s)) if eval_plans else None
+        if eval_fn is not None and stream is not None:  # the engines are asked for the held-out samples too
+            eval_fn = stream.states.evaluating(eval_fn, eval_plans)
         if rank == 0:
             print(f"[eyas:train] {tc.mode}: {len(train_idx)} train / {len(eval_idx)} eval samples, {sched.total} steps, "
                   f"draft {tr.draft.num_trainable_parameters():,} parameters, {tr.attention} attention, "
                   f"world size {world_size}" + (f", resuming from {resume}" if resume else ""), flush=True)
         stepping = True  # an allocation that fails from here on: the micro-batch's size (train.max_tokens) is the knob
         metrics = fit(tr, sched, data.source, eval_fn, out, dcfg, resume, pad, workers)
+        if stream is not None:
+            metrics["stream"] = stream.states.summary()
         if tr.init_from:
             data.inputs["init_from"] = tr.init_from
         final = out / "final"
@@ -122,6 +134,7 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
                 "tokens_per_s_last_window": metrics["train"].get("tokens_per_s"),
                 "all_runs": metrics["all_runs"],  # this run and the runs it resumed, when it resumed
                 "eval": metrics["eval"] or None,
+                **({"stream": metrics["stream"]} if "stream" in metrics else {}),
             },
             time_s=round(time.perf_counter() - t_start, 2),
             device=str(device), torch_cuda=torch.version.cuda,
@@ -140,6 +153,9 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
             raise EyasError(f"train ran out of memory before its first step, loading its data or models "
                             f"({out_of_memory(e)}): free memory or run on a machine with more") from e
         raise
+    finally:
+        if stream is not None:
+            stream.close()
 
 
 def out_of_memory(e: BaseException) -> str:

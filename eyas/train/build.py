@@ -80,6 +80,13 @@ def load_data(cfg: EyasConfig, device: torch.device) -> TrainData:
 
     n = tcfg.num_hidden_layers  # checked before the target loads; extract.layer_ids is the one aux-layer key
     layer_ids = check_layer_ids(list(cfg.extract.layer_ids) or default_layer_ids(n), n)
+    if tc.mode == "stream":  # the engines capture the states (eyas.stream, started by train once the schedule is known)
+        from eyas.train.target_weights import load_embed_and_head
+
+        embed, head = load_embed_and_head(cfg.target)
+        inputs["stream"] = {"layer_ids": layer_ids, "engines": tc.stream.engines}
+        return TrainData(prep, prep.d2t, prep.t2d, layer_ids, embed.to(dtype), head.to(dtype), tcfg, None, inputs,
+                         split_groups_of(prep))
     if tc.target_device in DEVICE_MAPS:  # the target spread over this process's visible GPUs
         model = load_model(cfg.target, device_map=tc.target_device)
     else:

@@ -19,7 +19,7 @@ from torch import nn
 
 from eyas.artifacts import atomic_write_text, hash_json, open_no_follow
 from eyas.config import TrainConfig
-from eyas.distributed import all_reduce_sum, rank0_flag
+from eyas.distributed import all_reduce_sum, gather_objects, rank0_flag
 from eyas.draft import DraftConfig, Eagle3Draft
 from eyas.errors import ArtifactError, EyasError, exception_message, raise_if_terminated, record_error
 from eyas.train import checkpoint, resume as resuming
@@ -146,7 +146,8 @@ class Trainer:
                 batch = self.states(batch)
             except Exception as e:  # re-raised naming the samples; the cause keeps its traceback
                 detail = f"{type(e).__name__}: {e}" if str(e).strip() else exception_message(e)
-                raise EyasError(f"online target forward failed on samples {batch.sample_ids}: {detail}") from e
+                what = "streamed states" if self.tc.mode == "stream" else "online target forward"
+                raise EyasError(f"{what} failed on samples {batch.sample_ids}: {detail}") from e
         return batch.to(self.device, non_blocking=True)
 
     def forward(self, batch: Batch) -> list[torch.Tensor]:
@@ -332,6 +333,9 @@ def micro_batches(tr: Trainer, sched: Schedule, source, start_step: int, pad_mul
     while step < sched.total:
         epoch, window = sched.position(step)
         plans = sched.plans(epoch)[window * accum : sched.steps_per_epoch[epoch] * accum]
+        if hasattr(tr.states, "expect"):  # stream: the engines are asked for this epoch's samples ahead, in order
+            last = min(sched.steps_per_epoch[epoch], window + sched.total - step)
+            tr.states.expect(epoch, sched.plans(epoch)[: last * accum], window * accum)
         it = iter(batch_loader(source, plans, tr.tc.ttt_steps, tr.tc.max_tokens, pad_multiple, num_workers,
                                pin=tr.device.type == "cuda", timeout_s=tr.tc.loader_timeout_s))
         for _ in range(window, sched.steps_per_epoch[epoch]):
@@ -466,6 +470,8 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
         prior = state["all_runs"]
         tr.init_from = state["init_from"]  # where the run this continues started from
         made = resume_changes(tr, state, sched, start)
+        if hasattr(tr.states, "resume"):  # stream: the checkpoint's ledgers (every rank's)
+            tr.states.resume(state.get("stream") or [])
         if tr.rank == 0 and state["world_size"] != tr.world_size:
             print(f"[eyas:train] warning: {resume} was written by a run on {state['world_size']} ranks, this one runs "
                   f"on {tr.world_size}: the data order differs from the original run's", flush=True)
@@ -504,6 +510,8 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
                 with contextlib.suppress(AttributeError):
                     e.eyas_context = {"step": step + 1, "sample_ids": [i for b in batches for i in b.sample_ids]}
             raise
+        if hasattr(tr.states, "trained"):  # stream: the ledger marks the step's samples trained
+            tr.states.trained(batches)
         for k in acc:
             acc[k] += out_s[k]
         tokens += out_s["tokens"]
@@ -518,7 +526,8 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
             last_train = dict(step=done, epoch=epoch, split="train", **rec, lr=out_s["lr"],
                               grad_norm=sum(step_norms) / len(step_norms), tokens=int(num_tokens),
                               tokens_per_s=num_tokens / max(dt, 1e-9), seconds=dt, loader_s=windows.loader_s,
-                              **({"changes": made} if made else {}))
+                              **({"changes": made} if made else {}),
+                              **(tr.states.take_rates() if hasattr(tr.states, "take_rates") else {}))
             made = []
             windows.loader_s = 0.0
             log.write(last_train)
@@ -530,6 +539,10 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
                       f"|g| {last_train['grad_norm']:.3f} {trained}"
                       f"{last_train['tokens_per_s']:.0f} tok/s (loader {last_train['loader_s']:.1f} of {dt:.1f} s)",
                       flush=True)
+            if tr.rank == 0 and "stream_wait_s" in last_train:
+                print(f"[eyas:train] stream: waited for states {last_train['stream_wait_s']:.1f} s, engines held back "
+                      f"{last_train['stream_held_s']:.1f} s, {last_train['stream_retries']} asked again, window "
+                      f"{last_train['stream_window_gb']:.2f} GB", flush=True)
             acc = {k: v.clone() for k, v in zero.items()}
             watch.check(done, step_norms, rec)
             # until the next logging step: a window as long as this one (its side work included) and
@@ -636,6 +649,8 @@ def save(tr: Trainer, ckpt_root: Path, step: int, sched: Schedule, draft_cfg: Dr
     trainer = {"epoch": epoch, "window": window, "world_size": tr.world_size, "total_steps": sched.total,
                "train_split": sched.split_digest, "all_runs": all_runs, "init_from": tr.init_from,
                "settings": resuming.settings(tr.tc, sched), "changes": tr.changes}
+    if hasattr(tr.states, "state_dict"):  # stream: every rank's ledger, so a resume trains each sample once
+        trainer["stream"] = gather_objects(tr.states.state_dict())
     checkpoint.save(ckpt_root, step, tr.model, tr.optimizer, tr.scheduler, draft_cfg, trainer, tr.rank,
                     tr.tc.keep_checkpoints, tr.identity)
 

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from eyas.config.base import require
+
+
+@dataclass
+class StreamConfig:
+    """train.mode=stream: vLLM engines capture the target's hidden states and hand them to the trainer
+    ranks through Mooncake's store (nothing on disk). The engines take extract's vLLM settings
+    (extract.vllm_tensor_parallel_size, extract.vllm_engine_args, extract.layer_ids ...)."""
+
+    engines: int = 1
+    """vLLM engines (data parallel), each a Ray actor holding extract.vllm_tensor_parallel_size x
+    extract.vllm_pipeline_parallel_size GPUs of one node."""
+    ray_address: str = ""
+    """The Ray cluster to place engines on (`ray start --head` on one node, `ray start
+    --address=HEAD:6379` on the others, then this = HEAD:6379 or `auto`); empty = a local cluster on
+    127.0.0.1 that eyas starts and stops."""
+    master: str = ""
+    """A running mooncake_master (HOST:PORT) started with eviction off
+    (--eviction_high_watermark_ratio=1.0 --eviction_ratio=0.0); empty = eyas starts one on
+    127.0.0.1 (its log in OUT_DIR/stream/mooncake_master.log)."""
+    host: str = "127.0.0.1"
+    """The address this node's Mooncake clients (engines, trainer ranks) listen on: 127.0.0.1 on one
+    node; the node's own reachable address on a cluster."""
+    protocol: str = "tcp"
+    """Mooncake's transport: tcp, or rdma on clusters with RDMA NICs (with `device`)."""
+    device: str = ""
+    """Mooncake's RDMA device(s), e.g. mlx5_0 (empty: Mooncake chooses)."""
+    store_gb: float = 4.0
+    """Memory each engine adds to Mooncake's store, GB (host memory of the engine's node)."""
+    window_gb: float = 0.0
+    """Hidden states each trainer rank may have on their way (asked for, in the store, or fetched and
+    not yet trained), GB; 0 = 80% of the store divided among the ranks. An engine is handed a sample
+    only when its rank has room: the store never fills."""
+    request_tokens: int = 16384
+    """Prompt tokens per engine call (a batch of samples vLLM prefills together)."""
+    fetch_timeout_s: float = 300.0
+    """How long a rank waits for a sample's states once its engine answered (the object should be in
+    the store within milliseconds); past it the sample is asked for again."""
+    wait_timeout_s: float = 3600.0
+    """How long a rank waits for a batch's states in all (engines loading count): past it the run
+    stops naming the samples and the engines; 0 = forever."""
+    max_attempts: int = 3
+    """Times one sample is asked for before the run stops naming it and its errors."""
+    engine_restarts: int = 2
+    """Times Ray restarts a dead engine (a reload of the target) before the run stops naming it."""
+
+    def __post_init__(self) -> None:
+        for name in ("store_gb", "window_gb", "fetch_timeout_s", "wait_timeout_s"):
+            v = getattr(self, name)
+            require(math.isfinite(v) and v >= 0, f"train.stream.{name}={v} must be a finite number >= 0")
+        require(self.engines >= 1, f"train.stream.engines={self.engines} must be >= 1")
+        require(self.store_gb > 0, f"train.stream.store_gb={self.store_gb} must be > 0")
+        require(self.request_tokens >= 1, f"train.stream.request_tokens={self.request_tokens} must be >= 1")
+        require(self.fetch_timeout_s > 0, f"train.stream.fetch_timeout_s={self.fetch_timeout_s} must be > 0")
+        require(self.max_attempts >= 1, f"train.stream.max_attempts={self.max_attempts} must be >= 1")
+        require(self.engine_restarts >= 0, f"train.stream.engine_restarts={self.engine_restarts} must be >= 0")
+        require(self.protocol in ("tcp", "rdma"), f"train.stream.protocol={self.protocol!r}: choose tcp or rdma")

@@ -1,0 +1,141 @@
+"""Streaming (train.mode=stream): vLLM engines feed the trainer ranks directly, no hidden state on disk.
+
+    eyas run recipe.yaml --train.mode=stream                      # one node: eyas starts everything
+    ray start --head --node-ip-address=HEAD                       # a cluster: on the head node,
+    ray start --address=HEAD:6379                                 #   on every other node, then
+    eyas run recipe.yaml --train.mode=stream --train.stream.ray_address=HEAD:6379 ...
+
+Roles (one module each):
+  engines.py    vLLM engine actors on Ray (`extract_hidden_states`, hs-connectors' Mooncake connector)
+  transport.py  Mooncake's store: the master (eviction off), the trainer ranks' client; the only
+                place bytes move
+  ledger.py     every sample's state (queued, in flight, delivered, trained), saved with checkpoints
+  source.py     what the train loop reads: a batch's states, asked for ahead in training order
+
+`open_stream` (here) sets a run's streaming up: rank 0 starts (or joins) the Mooncake master, the Ray
+cluster and the engines, and every rank connects its own store client and controller.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.errors import ConfigError, EyasError, exception_message
+
+NAMESPACE_PREFIX = "eyas-stream"
+
+
+@dataclass
+class Session:
+    """What rank 0 started (and stops in `close`), and what every rank holds."""
+
+    states: Any  # StreamStates
+    engines: list = field(default_factory=list)
+    master: Any = None  # transport.Master when eyas started it
+    started_ray: bool = False
+
+    def close(self) -> None:
+        import ray
+
+        self.states.close()
+        if self.engines:
+            for e in self.engines:
+                try:
+                    ray.get(e.shutdown.remote(), timeout=60)
+                except Exception as err:  # an engine already gone: nothing to shut down
+                    print(f"[eyas:train] stream: an engine did not shut down cleanly ({type(err).__name__}: "
+                          f"{exception_message(err)})", flush=True)
+                ray.kill(e)
+        if ray.is_initialized():
+            ray.shutdown()
+        if self.master is not None:
+            self.master.stop()
+
+
+def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
+    """Start (rank 0) or join (other ranks) the engines and the store; -> this rank's Session."""
+    from eyas import vllm_engine
+    from eyas.distributed import rank0_object
+    from eyas.extract import vllm_backend
+    from eyas.stream import engines as eng
+    from eyas.stream.source import StreamStates
+    from eyas.stream.transport import Master, Transport, store_config
+    from eyas.target import load_hf_config, resolve_dtype
+
+    sc, tc = cfg.train.stream, cfg.train
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local cluster on 127.0.0.1
+    import ray
+
+    cpu = vllm_engine.on_cpu("train.mode=stream")
+    hf = load_hf_config(cfg.target).to_dict()
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+    num_layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
+    compute = resolve_dtype(cfg.target.dtype, "cpu" if cpu else "cuda")
+    stored = compute if cfg.extract.store_dtype == "auto" else getattr(torch, cfg.extract.store_dtype)
+    bytes_per_token = (len(data.layer_ids) + 1) * hidden * torch.empty((), dtype=compute).element_size() + 8
+    longest = min(int(max(data.source.lengths)), tc.max_tokens)
+    window = int(sc.window_gb * 1e9) if sc.window_gb else int(0.8 * sc.store_gb * 1e9 * sc.engines / world)
+    need = 2 * tc.grad_accum * tc.max_tokens * bytes_per_token  # the window in training and the next one
+    if window < need:
+        raise ConfigError(f"train.stream.window_gb={window / 1e9:.3g} GB per rank holds less than two optimizer steps' "
+                          f"states ({need / 1e9:.3g} GB: 2 x train.grad_accum x train.max_tokens x {bytes_per_token} "
+                          "bytes per token): raise train.stream.window_gb or train.stream.store_gb, or lower "
+                          "train.max_tokens")
+    master = None
+    info = None
+    if rank == 0:
+        if sc.master:
+            master_address = sc.master
+        else:
+            master = Master(out / "stream" / "mooncake_master.log", host=sc.host)
+            master_address = master.address
+            print(f"[eyas:train] stream: mooncake_master on {master_address} (eviction off; log {master.log})", flush=True)
+        started = _init_ray(sc)
+        namespace = f"{NAMESPACE_PREFIX}-{os.getpid()}-{int(time.time())}"
+        info = {"master": master_address, "gcs": ray.get_runtime_context().gcs_address, "namespace": namespace,
+                "started_ray": started}
+    info = rank0_object(info)
+    if rank != 0:
+        ray.init(address=info["gcs"], namespace=info["namespace"], log_to_driver=False)
+    base = vllm_backend.engine_kwargs(cfg, data.layer_ids, num_layers, longest + 1, compute, Path("/nonexistent"),
+                                      cpu=cpu, hf_config=hf)
+    names = [f"engine-{k}" for k in range(sc.engines)]
+    handles: list = []
+    if rank == 0:
+        store = store_config(info["master"], int(sc.store_gb * 1e9), host=sc.host, protocol=sc.protocol,
+                             device=sc.device)
+        kw = eng.engine_kwargs(base, store, cpu)
+        handles = eng.start_engines(kw, names, info["namespace"], sc, cpu, int(kw["tensor_parallel_size"]) *
+                                    int(kw["pipeline_parallel_size"]))
+    info = rank0_object(info)  # every rank waits here until the engines are up
+    if rank != 0:
+        handles = [ray.get_actor(n, namespace=info["namespace"]) for n in names]
+    transport = Transport(store_config(info["master"], 0, host=sc.host, protocol=sc.protocol, device=sc.device))
+    norm = vllm_backend.load_final_norm(cfg.target, compute)
+    states = StreamStates(handles, names, transport, data.source, data.layer_ids, hidden, norm, compute, stored, sc,
+                          tc.max_tokens, bytes_per_token, window)
+    if rank == 0:
+        print(f"[eyas:train] stream: {len(handles)} engine(s) ready; window {window / 1e9:.2f} GB per rank "
+              f"({bytes_per_token} bytes per token)", flush=True)
+    return Session(states, handles if rank == 0 else [], master, bool(info.get("started_ray")) and rank == 0)
+
+
+def _init_ray(sc) -> bool:
+    """Connect to train.stream.ray_address, or start a local cluster; -> whether eyas started it."""
+    import ray
+
+    try:
+        if sc.ray_address:
+            ray.init(address=sc.ray_address, log_to_driver=True)
+            return False
+        ray.init(include_dashboard=False, log_to_driver=True)
+        return True
+    except Exception as e:
+        where = f"train.stream.ray_address={sc.ray_address!r}" if sc.ray_address else "a local Ray cluster"
+        raise EyasError(f"could not connect to {where}: {type(e).__name__}: {exception_message(e)}") from e

@@ -1,0 +1,152 @@
+"""vLLM engines that capture the target's hidden states for streaming, one Ray actor each.
+
+Each engine is a `vllm.LLM` (vLLM's own `mp` executor for its TP x PP workers) inside a Ray actor
+placed in a placement group of one bundle holding its GPUs (TP x PP of one node; Ray's
+CUDA_VISIBLE_DEVICES gives vLLM exactly those). N engines give N-way data parallelism. The engine
+runs prefill only (`max_tokens=1`) under vLLM's `extract_hidden_states` method with the aux layer ids
+eyas trains on plus id L (the last layer before the final norm, as extract's vLLM backend), and its
+KV connector (hs-connectors' Mooncake connector; eyas/stream/vllm_connector.py on vLLM's CPU build)
+puts each finished request's states into Mooncake's store. `Engine.extract` returns, per request, the
+manifest vLLM hands back: the trainer fetches the bytes from the store, never through Ray.
+
+vLLM is imported only inside the actor; Ray only where engines start (eyas/stream/source.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from eyas.errors import exception_message
+
+CPU_CONNECTOR = ("eyas.stream.vllm_connector", "CPUMooncakeHiddenStatesConnector")
+STOCK_CONNECTOR = ("hs_connectors.mooncake_hidden_states_connector", "MooncakeHiddenStatesConnector")
+
+
+def engine_kwargs(base: dict[str, Any], store: dict[str, Any], cpu: bool) -> dict[str, Any]:
+    """`vllm.LLM(**kwargs)` for a stream engine: extract's vLLM arguments (`base`, from
+    eyas.extract.vllm_backend.engine_kwargs) with the Mooncake connector and its store settings."""
+    module, name = CPU_CONNECTOR if cpu else STOCK_CONNECTOR
+    kw = dict(base)
+    kw["kv_transfer_config"] = {"kv_connector": name, "kv_connector_module_path": module, "kv_role": "kv_producer",
+                                "kv_connector_extra_config": {"mooncake": dict(store)}}
+    return kw
+
+
+class Engine:
+    """The body of one engine actor (ray.remote(Engine) in eyas/stream/source.py)."""
+
+    def __init__(self, kwargs: dict[str, Any], name: str, env: dict[str, str] | None = None):
+        os.environ.update(env or {})  # VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE ...
+        from vllm import LLM, SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        from eyas.stream.transport import load_ibverbs
+
+        load_ibverbs()
+        self.name, self.started = name, time.time()
+        self.llm = LLM(**kwargs)
+        self.engine = self.llm.llm_engine
+        self.params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
+                                     output_kind=RequestOutputKind.FINAL_ONLY)
+        self.tokens = 0  # prompt tokens prefilled, for the inference rate
+        self.busy_s = 0.0
+        self.lock = threading.Lock()  # the actor answers ready() while extract() runs; one extract at a time
+
+    def ready(self) -> dict[str, Any]:
+        import vllm
+
+        return {"name": self.name, "pid": os.getpid(), "vllm": vllm.__version__, "load_s": time.time() - self.started}
+
+    def extract(self, requests: list[tuple[str, list[int]]]) -> list[dict[str, Any]]:
+        """Prefill every (request id, token ids); -> per request {rid, manifest} (kv_transfer_params),
+        or {rid, error} when vLLM refused the prompt or finished it otherwise than after its one token."""
+        with self.lock:
+            return self._extract(requests)
+
+    def _extract(self, requests: list[tuple[str, list[int]]]) -> list[dict[str, Any]]:
+        from vllm.inputs import TokensPrompt
+
+        t0 = time.perf_counter()
+        results: dict[str, dict[str, Any]] = {}
+        added = []
+        for rid, ids in requests:
+            try:
+                self.engine.add_request(rid, TokensPrompt(prompt_token_ids=list(ids)), self.params)
+                added.append(rid)
+            except Exception as e:  # a prompt vLLM refuses (too long ...): that sample's error, not the engine's
+                results[rid] = {"rid": rid, "error": f"vLLM refused the prompt: {type(e).__name__}: {exception_message(e)}"}
+        waiting = set(added)
+        while waiting:
+            if not self.engine.has_unfinished_requests():
+                for rid in waiting:
+                    results[rid] = {"rid": rid, "error": "neither running nor finished in the engine"}
+                break
+            for out in self.engine.step():
+                if not out.finished or out.request_id not in waiting:
+                    continue
+                waiting.discard(out.request_id)
+                reason = out.outputs[0].finish_reason if out.outputs else None
+                manifest = out.kv_transfer_params
+                if reason not in ("length", "stop") or not manifest:
+                    results[out.request_id] = {"rid": out.request_id, "error": f"finished with reason {reason!r} and "
+                                               f"{'a' if manifest else 'no'} transfer manifest"}
+                else:
+                    results[out.request_id] = {"rid": out.request_id, "manifest": manifest,
+                                               "prompt_ids": list(out.prompt_token_ids or [])}
+                    self.tokens += len(out.prompt_token_ids or [])
+        self.busy_s += time.perf_counter() - t0
+        return [results[rid] for rid, _ in requests]
+
+    def stats(self) -> dict[str, float]:
+        return {"tokens": self.tokens, "busy_s": self.busy_s}
+
+    def shutdown(self) -> None:
+        from eyas.vllm_engine import shutdown
+
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            shutdown(llm)
+
+
+def start_engines(kwargs: dict[str, Any], names: list[str], namespace: str, sc, cpu: bool, gpus: int) -> list:
+    """One named Ray actor per engine, each restarted by Ray up to train.stream.engine_restarts times
+    (eyas re-sends the samples a dead engine held; Ray retries no call itself). On GPUs each engine
+    is placed in a placement group of one bundle of `gpus` GPUs (TP x PP, one node: vLLM's own
+    workers share the bundle); on vLLM's CPU build the engines take no Ray CPU slot (vLLM binds its
+    own threads). -> the actor handles once every engine has loaded the target."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from eyas.vllm_engine import check_cpu_workers
+
+    env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    handles = []
+    for name in names:
+        options: dict[str, Any] = {"name": name, "namespace": namespace, "max_restarts": sc.engine_restarts,
+                                   "max_task_retries": 0, "max_concurrency": 2}  # ready() answers while extract() runs
+        if cpu:
+            options["num_cpus"] = 0
+            binding = check_cpu_workers(gpus, "extract")
+            if binding is not None:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+        else:
+            pg = ray.util.placement_group([{"GPU": gpus, "CPU": 1}], strategy="STRICT_PACK", name=f"{namespace}-{name}")
+            ray.get(pg.ready())
+            options.update(num_gpus=gpus, num_cpus=1,
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
+        handles.append(ray.remote(Engine).options(**options).remote(kwargs, name, env))
+    t0 = time.perf_counter()
+    for name, h in zip(names, handles):
+        try:
+            info = ray.get(h.ready.remote())
+        except Exception as e:
+            from eyas.errors import EyasError
+
+            raise EyasError(f"stream engine {name} could not start: {type(e).__name__}: {exception_message(e)} "
+                            "(engine arguments: extract.vllm_*; vLLM's log above)") from e
+        print(f"[eyas:train] stream: {name} ready (vLLM {info['vllm']}, pid {info['pid']}, target loaded in "
+              f"{info['load_s']:.0f} s; {time.perf_counter() - t0:.0f} s since the first engine was asked for)", flush=True)
+    return handles
