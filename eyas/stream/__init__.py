@@ -19,6 +19,7 @@ cluster and the engines, and every rank connects its own store client and contro
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ import torch
 from eyas.errors import ConfigError, EyasError, exception_message
 
 NAMESPACE_PREFIX = "eyas-stream"
+LOCAL_OBJECT_STORE = 512 << 20  # Ray's object store carries only token ids and manifests; the states go through Mooncake
 
 
 @dataclass
@@ -70,8 +72,7 @@ def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
 
     sc, tc = cfg.train.stream, cfg.train
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local cluster on 127.0.0.1
-    import ray
-
+    # (ray is imported once its authentication token is in the environment: Ray reads it on import)
     cpu = vllm_engine.on_cpu("train.mode=stream")
     hf = load_hf_config(cfg.target).to_dict()
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
@@ -96,12 +97,22 @@ def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
             master = Master(out / "stream" / "mooncake_master.log", host=sc.host)
             master_address = master.address
             print(f"[eyas:train] stream: mooncake_master on {master_address} (eviction off; log {master.log})", flush=True)
+        if not sc.ray_address:  # Ray's token authentication: the other ranks join this run's cluster with it
+            os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
+        import ray
+
         started = _init_ray(sc)
         namespace = f"{NAMESPACE_PREFIX}-{os.getpid()}-{int(time.time())}"
         info = {"master": master_address, "gcs": ray.get_runtime_context().gcs_address, "namespace": namespace,
-                "started_ray": started}
+                "started_ray": started, "token": os.environ.get("RAY_AUTH_TOKEN")}
     info = rank0_object(info)
     if rank != 0:
+        if info["token"]:  # before ray is imported: it reads both then
+            os.environ["RAY_AUTH_TOKEN"] = info["token"]
+            os.environ["RAY_AUTH_MODE"] = "token"
+        import ray
+
         ray.init(address=info["gcs"], namespace=info["namespace"], log_to_driver=False)
     base = vllm_backend.engine_kwargs(cfg, data.layer_ids, num_layers, longest + 1, compute, Path("/nonexistent"),
                                       cpu=cpu, hf_config=hf)
@@ -134,7 +145,9 @@ def _init_ray(sc) -> bool:
         if sc.ray_address:
             ray.init(address=sc.ray_address, log_to_driver=True)
             return False
-        ray.init(include_dashboard=False, log_to_driver=True)
+        # address="local": always a new cluster of this run's own, never one a RAY_ADDRESS or an earlier
+        # `ray start` left as the default (it dies with this process, even killed with SIGKILL)
+        ray.init(address="local", include_dashboard=False, log_to_driver=True, object_store_memory=LOCAL_OBJECT_STORE)
         return True
     except Exception as e:
         where = f"train.stream.ray_address={sc.ray_address!r}" if sc.ray_address else "a local Ray cluster"

@@ -428,3 +428,17 @@ def _merge(saved: list[dict[str, Any]]) -> dict[tuple[int, int], tuple[str, int]
             for i, v in led["entries"].items():
                 out[(int(led["epoch"]), int(i))] = (v["state"], int(v["attempt"]))
     return out
+
+
+def combine_summaries(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every rank's `StreamStates.summary()` -> one record: per epoch the ledgers' counts summed over
+    the ranks, and each rank's waits."""
+    epochs: dict[int, dict[str, int]] = {}
+    for r in per_rank:
+        for e in r["epochs"]:
+            tot = epochs.setdefault(e["epoch"], {k: 0 for k in e if k != "epoch"})
+            for k in tot:
+                tot[k] += e[k]
+    keys = ("stream_wait_s", "stream_held_s", "stream_retries")
+    return {"epochs": [{"epoch": e, **v} for e, v in sorted(epochs.items())],
+            "ranks": [{k: r[k] for k in keys} for r in per_rank]}

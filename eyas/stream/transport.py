@@ -33,6 +33,14 @@ import torch
 
 from eyas.errors import EyasError
 
+# exec's `argv[2:]` after asking Linux for SIGTERM when the parent (argv[1]) dies (prctl PR_SET_PDEATHSIG,
+# kept across exec); exits at once when the parent is already gone
+DIES_WITH_US = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]): sys.exit(143)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
 IBVERBS = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1")  # in load order
 LOCAL = "127.0.0.1"
 
@@ -94,9 +102,9 @@ class Master:
         args = [str(master_binary()), f"-rpc_address={host}", f"-rpc_port={self.port}", f"-metrics_host={host}",
                 f"-metrics_port={free_port(host)}", "-eviction_high_watermark_ratio=1.0", "-eviction_ratio=0.0",
                 "-enable_metric_reporting=false"]
-        with open(log, "ab") as f:
-            self.proc = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, env=library_env(),
-                                         start_new_session=True)
+        with open(log, "ab") as f:  # through DIES_WITH_US: a trainer killed with SIGKILL leaves no master behind
+            self.proc = subprocess.Popen([sys.executable, "-c", DIES_WITH_US, str(os.getpid()), *args], stdout=f,
+                                         stderr=subprocess.STDOUT, env=library_env(), start_new_session=True)
         self._wait(timeout_s)
 
     @property

@@ -111,8 +111,11 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
                   f"world size {world_size}" + (f", resuming from {resume}" if resume else ""), flush=True)
         stepping = True  # an allocation that fails from here on: the micro-batch's size (train.max_tokens) is the knob
         metrics = fit(tr, sched, data.source, eval_fn, out, dcfg, resume, pad, workers)
-        if stream is not None:
-            metrics["stream"] = stream.states.summary()
+        if stream is not None:  # every rank's ledger and waits (a collective)
+            from eyas.distributed import gather_objects
+            from eyas.stream.source import combine_summaries
+
+            metrics["stream"] = combine_summaries(gather_objects(stream.states.summary()))
         if tr.init_from:
             data.inputs["init_from"] = tr.init_from
         final = out / "final"
