@@ -36,6 +36,7 @@ from eyas.stream.ledger import Ledger, LedgerError
 
 DEPTH = 2  # engine calls waiting per engine: one prefilling, one queued behind it
 EVAL = -1  # the "epoch" of held-out samples
+PROBE_PAUSE_S = 0.2  # between probes of an engine Ray is restarting (a probe sent then fails at once)
 
 
 class StreamError(EyasError):
@@ -330,6 +331,11 @@ class StreamStates:
         engine = self.probes.pop(ref)
         try:
             info = ray.get(ref)
+        except ray.exceptions.ActorUnavailableError:  # Ray is restarting it: not a failure of its own, ask again
+            time.sleep(PROBE_PAUSE_S)
+            with self.lock:
+                self.probes[self.engines[engine].ready.remote()] = engine
+            return
         except Exception as e:
             with self.lock:
                 self._engine_failed(engine, f"engine {self.names[engine]} did not come back: {type(e).__name__}: "
@@ -397,6 +403,7 @@ class StreamStates:
             self.fatal = self.fatal or StreamError(
                 f"sample {self.prep.ids[i]!r} (prepare index {i}) failed {led.entries[i].attempt} times "
                 f"(train.stream.max_attempts={self.sc.max_attempts}): " + " | ".join(self.errors[(epoch, i)][-3:]))
+            self.lock.notify_all()  # the trainer waiting for this sample raises now, not at its next poll
             return
         self.queue.appendleft((epoch, i))
 

@@ -13,7 +13,14 @@ import random
 
 import pytest
 
-from eyas.stream.ledger import DELIVERED, IN_FLIGHT, QUEUED, TRAINED, Ledger, LedgerError
+from eyas.stream.ledger import (
+    DELIVERED,
+    IN_FLIGHT,
+    QUEUED,
+    TRAINED,
+    Ledger,
+    LedgerError,
+)
 
 
 class Model:
