@@ -8,7 +8,8 @@ interface: `extract(requests)`, `ready()`): it puts each request's states into t
 hs-connectors' `put_sample` under the manifest hs-connectors' connector builds and returns that
 manifest, as vLLM's connector does. Its states are a known function of the token ids, position and
 layer (`states_of`), so a batch shows whose states it got. A per-request script makes it refuse a
-request, publish an error marker instead of the object, or die mid-call (Ray restarts it). Every
+request, publish an error marker instead of the object, put nothing, put another prompt's states, or
+die mid-call (Ray restarts it). Every
 call is logged to a file (it survives a restart) for the test to read what was asked and when.
 
 Each case uses its own epoch numbers, so request ids never repeat across cases: one engine actor,
@@ -94,7 +95,11 @@ class StoreEngine:
                     "metadata": {"num_tokens": len(ids), "total_aligned_bytes": total, "extract_mode": "prompt_only"}}
         if act == "marker":
             self.store.put_error(manifest, "put_from failed: no space (scripted)")
+        elif act == "lost":
+            pass  # the manifest, but the object never reaches the store
         else:
+            if act == "other_ids":
+                ids_t = ids_t + 1  # states of other tokens than those asked for
             try:
                 self.store.put_sample(manifest, {"hidden_states": states_of(ids_t), "token_ids": ids_t})
             except Exception as e:  # as the connector: a failed put publishes an error marker for the trainer
@@ -124,10 +129,12 @@ class Harness:
         return epoch_batches(list(range(len(self.prep))), self.prep.lengths, MAX_TOKENS, 0, epoch, 0, 1)
 
     def train(self, states: StreamStates, epoch: int, plans: list[list[int]], first: int = 0,
-              last: int | None = None, accum: int = 1) -> list[int]:
-        """The loop's calls for micro-batches plans[first:last]: each batch filled and checked
-        against `states_of`, `trained` after every `accum` of them. -> the samples trained, in order."""
-        states.expect(epoch, plans, first)
+              last: int | None = None, accum: int = 1, expect: bool = True) -> list[int]:
+        """The loop's calls for micro-batches plans[first:last] (`expect`: the epoch starts here):
+        each batch filled and checked against `states_of`, `trained` after every `accum` of them.
+        -> the samples trained, in order."""
+        if expect:
+            states.expect(epoch, plans, first)
         done, pending = [], []
         for plan in plans[first:last]:
             batch = pack([self.prep[i] for i in plan], 1, MAX_TOKENS, pad_multiple=8)
@@ -173,12 +180,34 @@ def case_orders(h: Harness) -> dict:
     plans = [h.plans(0), h.plans(1)]
     trained = [h.train(st, 0, plans[0], accum=2), h.train(st, 1, plans[1])]
     summary = st.summary()["epochs"]
+    end = st.in_window
     st.close()
-    return {"plans": plans, "trained": trained, "summary": summary}
+    return {"plans": plans, "trained": trained, "summary": summary, "in_window_end": end}
 
 
-def case_fault(h: Harness, epoch: int, act: str, nth: int = 1, **sc) -> dict:
-    """(b, c, d, e) the `nth` sample of the epoch's second micro-batch meets `act` on attempts 1..`upto`."""
+def case_held_out(h: Harness) -> dict:
+    """Held-out batches asked for after the epoch's first step, the window full of training samples:
+    asked for before the training samples still queued, read once, never trained."""
+    epoch = 10
+    train = list(range(len(h.prep) - 3))
+    plans = epoch_batches(train, h.prep.lengths, MAX_TOKENS, 0, epoch, 0, 1)
+    held = [[i] for i in range(len(h.prep) - 3, len(h.prep))]
+    st = h.states(window=sum(h.nbytes(i) for i in plans[0] + plans[1]))  # training samples wait behind them
+    trained = h.train(st, epoch, plans, last=1)
+    t_eval = time.time()
+    batches = st.evaluating(lambda: [pack([h.prep[i] for i in p], 1, MAX_TOKENS, pad_multiple=8) for p in held], held)()
+    for b, p in zip(batches, held):
+        st(b)
+        h.check(b, p)
+    trained += h.train(st, epoch, plans, first=1, expect=False)
+    out = {"plans": plans, "held": held, "trained": trained, "t_eval": t_eval, "summary": st.summary()["epochs"],
+           "in_window_end": st.in_window}
+    st.close()
+    return out
+
+
+def case_fault(h: Harness, epoch: int, act: str, **sc) -> dict:
+    """The first sample of the epoch's second micro-batch meets `act` (the engine's script)."""
     st = h.states(window=1 << 30, **sc)
     plans = h.plans(epoch)
     hit = plans[1][0]
@@ -188,6 +217,8 @@ def case_fault(h: Harness, epoch: int, act: str, nth: int = 1, **sc) -> dict:
     except StreamError as e:
         out["error"] = str(e)
     out["summary"] = st.summary()["epochs"]
+    out["in_window_end"] = st.in_window
+    out["errors"] = {str(i): why for (_, i), why in st.errors.items()}
     st.close()
     return out
 
@@ -212,8 +243,9 @@ def case_window(h: Harness) -> dict:
     trained = h.train(st, epoch, plans)
     stop.set()
     w.join()
+    end = st.in_window
     st.close()
-    return {"plans": plans, "trained": trained, "window": window, "peak_in_window": peak[0],
+    return {"plans": plans, "trained": trained, "window": window, "peak_in_window": peak[0], "in_window_end": end,
             "bytes": {i: h.nbytes(i) for i in range(len(h.prep))}, "steps": h.steps}
 
 
@@ -230,6 +262,7 @@ def case_resume(h: Harness) -> dict:
     st.resume([saved])
     after = h.train(st, epoch, plans, first=k)
     summary = st.summary()["epochs"]
+    end = st.in_window
     st.close()
     tampered = json.loads(json.dumps(saved))
     later = plans[k + 1][0]
@@ -243,7 +276,7 @@ def case_resume(h: Harness) -> dict:
         refused = str(e)
     st.close()
     return {"plans": plans, "k": k, "before": before, "after": after, "saved": saved, "summary": summary,
-            "t_resume": t_resume, "later": later, "later_id": h.prep.ids[later], "refused": refused}
+            "t_resume": t_resume, "in_window_end": end, "later": later, "later_id": h.prep.ids[later], "refused": refused}
 
 
 def main(prep_dir: str, work: str, result: str) -> None:
@@ -256,7 +289,8 @@ def main(prep_dir: str, work: str, result: str) -> None:
     try:
         probe = Harness(prep, None, None)
         script = {}
-        for epoch, act, attempts in ((2, "error", 1), (3, "marker", 1), (4, "error", 2), (7, "die", 1)):
+        for epoch, act, attempts in ((2, "error", 1), (3, "marker", 1), (4, "error", 2), (7, "die", 1), (8, "lost", 1),
+                                     (9, "other_ids", 1)):
             hit = probe.plans(epoch)[1][0]
             script.update({rid(hit, epoch, a): act for a in range(1, attempts + 1)})
         engine = ray.remote(StoreEngine).options(max_restarts=1, max_task_retries=0, max_concurrency=2,
@@ -271,8 +305,11 @@ def main(prep_dir: str, work: str, result: str) -> None:
                  "error": lambda: case_fault(h, 2, "error"),
                  "marker": lambda: case_fault(h, 3, "marker"),
                  "attempts": lambda: case_fault(h, 4, "error", max_attempts=2),
+                 "lost": lambda: case_fault(h, 8, "lost", fetch_timeout_s=0.5),
+                 "other_ids": lambda: case_fault(h, 9, "other_ids"),
                  "window": lambda: case_window(h),
                  "resume": lambda: case_resume(h),
+                 "held_out": lambda: case_held_out(h),
                  "dead_engine": lambda: case_fault(h, 7, "die")}  # last: the engine is a restarted one after it
         for name, fn in cases.items():
             t0 = time.perf_counter()

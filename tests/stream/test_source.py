@@ -78,11 +78,15 @@ def test_two_epochs_come_back_in_training_order_each_trained_once(streamed):
                                           "attempts": SAMPLES, "retried": 0, "duplicates_dropped": 0}
 
 
-@pytest.mark.parametrize("name,epoch", [("error", 2), ("marker", 3)])
-def test_a_refused_request_or_an_error_marker_is_asked_again_and_trained_once(streamed, name, epoch):
-    """error: the engine answers {rid, error}; marker: it publishes an error marker in the store
-    instead of the object (a failed put) and returns the manifest."""
+@pytest.mark.parametrize("name,epoch,why", [
+    ("error", 2, "vLLM refused the prompt: scripted"),  # the engine answers {rid, error}
+    ("marker", 3, "Mooncake producer error for key=s{}_e3_a1:error: put_from failed: no space"),  # a failed put's marker
+    ("lost", 8, "object s{}_e8_a1 did not reach the store within 0.5 s"),  # a manifest, no object
+    ("other_ids", 9, "object s{}_e9_a1: token ids other than those sent"),  # another prompt's states
+])
+def test_a_failed_request_is_asked_again_and_trained_once(streamed, name, epoch, why):
     case = streamed[name]
+    assert len(case["errors"]) == 1 and why.format(case["sample"]) in case["errors"][str(case["sample"])][0]
     hit = case["sample"]
     assert "error" not in case, case.get("error")
     assert case["trained"] == flat(case["plans"])
@@ -148,3 +152,22 @@ def test_resume_refuses_a_ledger_with_a_later_sample_trained(streamed):
     case = streamed["resume"]
     assert f"sample {case['later_id']!r} was trained already" in case["refused"]
     assert "resume with that run's settings" in case["refused"]
+
+
+def test_held_out_batches_come_first_are_read_once_and_never_trained(streamed):
+    case = streamed["held_out"]
+    held = [i for p in case["held"] for i in p]
+    assert case["trained"] == flat(case["plans"]) and not set(held) & set(case["trained"])
+    cs = calls(streamed, -1)
+    assert sorted(s for c in cs for s, _ in c["rids"]) == sorted(held) and all(c["t"] >= case["t_eval"] for c in cs)
+    later = [parse(r)[1] for c in streamed["asked"] if c["t"] >= case["t_eval"] for r in c["rids"]]
+    later = [e for e in later if e in (-1, 10)]
+    assert 10 in later and max(k for k, e in enumerate(later) if e == -1) < later.index(10)  # held-out first
+    assert case["summary"] == [{"epoch": 10, "samples": SAMPLES - 3, "trained": SAMPLES - 3, "attempts": SAMPLES - 3,
+                                "retried": 0, "duplicates_dropped": 0}]  # no ledger of held-out samples is saved
+
+
+@pytest.mark.parametrize("name", ["orders", "error", "marker", "lost", "other_ids", "dead_engine", "window", "resume",
+                                  "held_out"])
+def test_nothing_stays_in_the_window_once_everything_is_trained(streamed, name):
+    assert streamed[name]["in_window_end"] == 0
