@@ -77,7 +77,9 @@ class StreamStates:
         self.max_tokens, self.bytes_per_token, self.window = max_tokens, bytes_per_token, window_bytes
         self.saved = _merge(saved or [])  # (epoch, sample) -> (state, attempt) from a checkpoint
         self.index = {sid: i for i, sid in enumerate(prep.ids)}
+        self.lengths = prep.lengths.tolist()  # once: `prep.lengths` recomputes every sample's length
         self.ledgers: dict[int, Ledger] = {}
+        self.left: dict[int, int] = {}  # an open epoch's samples not yet trained (counted: a step is O(batch))
         self.plan: collections.deque[tuple[int, list[int]]] = collections.deque()  # batches to come: (epoch, samples)
         self.queue: collections.deque[tuple[int, int]] = collections.deque()  # (epoch, sample) to ask for
         self.calls: dict[Any, _Call] = {}  # ObjectRef -> the call
@@ -119,6 +121,7 @@ class StreamStates:
                         if k < first:
                             led.entries[i].state = "trained"
                 self.ledgers[epoch] = led
+                self.left[epoch] = sum(e.state != "trained" for e in led.entries.values())
             for p in plans[first:]:
                 self.plan.append((epoch, list(p)))
                 self.queue.extend((epoch, i) for i in p)
@@ -184,10 +187,12 @@ class StreamStates:
                 idx = [self.index[s] for s in b.sample_ids]
                 epoch = self._epoch_of(idx)
                 self.ledgers[epoch].trained(idx)
+                self.left[epoch] -= len(idx)
                 self.in_window -= sum(self._bytes(i) for i in idx)
-            for epoch in [e for e, led in self.ledgers.items() if led.count("trained") == len(led.entries)]:
-                if epoch < max(self.ledgers):
-                    self.ledgers[epoch].close_epoch()
+            newest = max(self.left)
+            for epoch in [e for e, n in self.left.items() if n == 0 and e < newest]:  # checked once, then closed
+                self.ledgers[epoch].close_epoch()
+                del self.left[epoch]
             self.lock.notify_all()
 
     def _epoch_of(self, idx: list[int]) -> int:
@@ -221,7 +226,7 @@ class StreamStates:
     # ------------------------------------------------------------ the controller thread
 
     def _bytes(self, sample: int) -> int:
-        return min(int(self.prep.lengths[sample]), self.max_tokens) * self.bytes_per_token
+        return min(self.lengths[sample], self.max_tokens) * self.bytes_per_token
 
     def _tokens(self, sample: int) -> list[int]:
         return self.prep[sample]["input_ids"][: self.max_tokens].tolist()
