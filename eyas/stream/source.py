@@ -108,9 +108,13 @@ class StreamStates:
                         state, attempt = self.saved.get((epoch, i), ("queued", 0))
                         led.entries[i].attempt = attempt
                         if k < first and state != "trained":
-                            raise LedgerError(f"resuming epoch {epoch} at micro-batch {first}: sample {i} of an earlier "
-                                              f"micro-batch is {state} in the checkpoint's ledger, not trained (the data "
-                                              "order differs from the checkpoint's run)")
+                            raise StreamError(f"resuming epoch {epoch} at micro-batch {first}: sample "
+                                              f"{self.prep.ids[i]!r} of an earlier micro-batch is {state} in the "
+                                              "checkpoint's ledger, not trained; skipping it would never train it. The "
+                                              "data order differs from the run that wrote the checkpoint "
+                                              "(train.max_tokens, seed, the number of ranks or the held-out split "
+                                              "changed): resume with that run's settings, or start a fresh "
+                                              "--train.out_dir")
                         if k >= first and state == "trained":
                             raise StreamError(f"resuming epoch {epoch} at micro-batch {first}: sample "
                                               f"{self.prep.ids[i]!r} was trained already after the checkpoint's ledger; "

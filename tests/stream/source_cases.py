@@ -275,7 +275,18 @@ def case_resume(h: Harness) -> dict:
     except StreamError as e:
         refused = str(e)
     st.close()
-    return {"plans": plans, "k": k, "before": before, "after": after, "saved": saved, "summary": summary,
+    tampered = json.loads(json.dumps(saved))
+    earlier = plans[0][0]
+    tampered["ledgers"][0]["entries"][str(earlier)]["state"] = "queued"
+    st = h.states(window=1 << 30)
+    st.resume([tampered])
+    try:
+        st.expect(epoch, plans, k)
+        skipped = None
+    except StreamError as e:
+        skipped = str(e)
+    st.close()
+    return {"plans": plans, "k": k, "before": before, "earlier_id": h.prep.ids[earlier], "skipped": skipped, "after": after, "saved": saved, "summary": summary,
             "t_resume": t_resume, "in_window_end": end, "later": later, "later_id": h.prep.ids[later], "refused": refused}
 
 

@@ -148,10 +148,13 @@ def test_resume_from_a_checkpoints_ledger_trains_exactly_the_rest(streamed):
     assert case["summary"][0]["trained"] == SAMPLES
 
 
-def test_resume_refuses_a_ledger_with_a_later_sample_trained(streamed):
+def test_resume_refuses_a_ledger_of_another_data_order(streamed):
+    """A later sample trained (it would be trained twice) or an earlier one not (it would never be)."""
     case = streamed["resume"]
     assert f"sample {case['later_id']!r} was trained already" in case["refused"]
-    assert "resume with that run's settings" in case["refused"]
+    assert f"sample {case['earlier_id']!r} of an earlier micro-batch is queued" in case["skipped"]
+    for said in (case["refused"], case["skipped"]):
+        assert "resume with that run's settings, or start a fresh --train.out_dir" in said
 
 
 def test_held_out_batches_come_first_are_read_once_and_never_trained(streamed):
