@@ -163,9 +163,12 @@ def test_held_out_batches_come_first_are_read_once_and_never_trained(streamed):
     assert case["trained"] == flat(case["plans"]) and not set(held) & set(case["trained"])
     cs = calls(streamed, -1)
     assert sorted(s for c in cs for s, _ in c["rids"]) == sorted(held) and all(c["t"] >= case["t_eval"] for c in cs)
-    later = [parse(r)[1] for c in streamed["asked"] if c["t"] >= case["t_eval"] for r in c["rids"]]
-    later = [e for e in later if e in (-1, 10)]
-    assert 10 in later and max(k for k, e in enumerate(later) if e == -1) < later.index(10)  # held-out first
+    # the training samples still queued (plans[3:]: the window holds two micro-batches) come after them
+    queued = set(flat(case["plans"][3:]))
+    order = [parse(r) for c in streamed["asked"] for r in c["rids"]]
+    last_held = max(k for k, (s, e, a) in enumerate(order) if e == -1)
+    first_queued = min(k for k, (s, e, a) in enumerate(order) if e == 10 and s in queued)
+    assert queued and last_held < first_queued
     assert case["summary"] == [{"epoch": 10, "samples": SAMPLES - 3, "trained": SAMPLES - 3, "attempts": SAMPLES - 3,
                                 "retried": 0, "duplicates_dropped": 0}]  # no ledger of held-out samples is saved
 
