@@ -101,13 +101,19 @@ class Ledger:
         e.failures.append(f"attempt {e.attempt} on {e.engine}: {reason}")
 
     def trained(self, samples: list[int]) -> None:
+        """Every sample of `samples` is checked before any is marked: a refused step marks none (a
+        ledger saved after it still queues them all)."""
+        seen: set[int] = set()
         for i in samples:
             e = self.entries.get(i)
             if e is None:
                 raise LedgerError(f"sample {i} trained in epoch {self.epoch} but not dealt to this rank")
-            if e.state != DELIVERED:
-                raise LedgerError(f"sample {i} trained while {e.state} (epoch {self.epoch}, attempt {e.attempt})")
-            e.state = TRAINED
+            if e.state != DELIVERED or i in seen:
+                state = TRAINED if i in seen else e.state
+                raise LedgerError(f"sample {i} trained while {state} (epoch {self.epoch}, attempt {e.attempt})")
+            seen.add(i)
+        for i in samples:
+            self.entries[i].state = TRAINED
 
     # ------------------------------------------------------------ questions
 

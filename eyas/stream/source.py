@@ -36,6 +36,7 @@ from eyas.stream.ledger import Ledger, LedgerError
 
 DEPTH = 2  # engine calls waiting per engine: one prefilling, one queued behind it
 EVAL = -1  # the "epoch" of held-out samples
+PROBE_PAUSE_S = 0.2  # between probes of an engine Ray is restarting (a probe sent then fails at once)
 
 
 class StreamError(EyasError):
@@ -76,7 +77,9 @@ class StreamStates:
         self.max_tokens, self.bytes_per_token, self.window = max_tokens, bytes_per_token, window_bytes
         self.saved = _merge(saved or [])  # (epoch, sample) -> (state, attempt) from a checkpoint
         self.index = {sid: i for i, sid in enumerate(prep.ids)}
+        self.lengths = prep.lengths.tolist()  # once: `prep.lengths` recomputes every sample's length
         self.ledgers: dict[int, Ledger] = {}
+        self.left: dict[int, int] = {}  # an open epoch's samples not yet trained (counted: a step is O(batch))
         self.plan: collections.deque[tuple[int, list[int]]] = collections.deque()  # batches to come: (epoch, samples)
         self.queue: collections.deque[tuple[int, int]] = collections.deque()  # (epoch, sample) to ask for
         self.calls: dict[Any, _Call] = {}  # ObjectRef -> the call
@@ -105,9 +108,13 @@ class StreamStates:
                         state, attempt = self.saved.get((epoch, i), ("queued", 0))
                         led.entries[i].attempt = attempt
                         if k < first and state != "trained":
-                            raise LedgerError(f"resuming epoch {epoch} at micro-batch {first}: sample {i} of an earlier "
-                                              f"micro-batch is {state} in the checkpoint's ledger, not trained (the data "
-                                              "order differs from the checkpoint's run)")
+                            raise StreamError(f"resuming epoch {epoch} at micro-batch {first}: sample "
+                                              f"{self.prep.ids[i]!r} of an earlier micro-batch is {state} in the "
+                                              "checkpoint's ledger, not trained; skipping it would never train it. The "
+                                              "data order differs from the run that wrote the checkpoint "
+                                              "(train.max_tokens, seed, the number of ranks or the held-out split "
+                                              "changed): resume with that run's settings, or start a fresh "
+                                              "--train.out_dir")
                         if k >= first and state == "trained":
                             raise StreamError(f"resuming epoch {epoch} at micro-batch {first}: sample "
                                               f"{self.prep.ids[i]!r} was trained already after the checkpoint's ledger; "
@@ -118,6 +125,7 @@ class StreamStates:
                         if k < first:
                             led.entries[i].state = "trained"
                 self.ledgers[epoch] = led
+                self.left[epoch] = sum(e.state != "trained" for e in led.entries.values())
             for p in plans[first:]:
                 self.plan.append((epoch, list(p)))
                 self.queue.extend((epoch, i) for i in p)
@@ -183,10 +191,12 @@ class StreamStates:
                 idx = [self.index[s] for s in b.sample_ids]
                 epoch = self._epoch_of(idx)
                 self.ledgers[epoch].trained(idx)
+                self.left[epoch] -= len(idx)
                 self.in_window -= sum(self._bytes(i) for i in idx)
-            for epoch in [e for e, led in self.ledgers.items() if led.count("trained") == len(led.entries)]:
-                if epoch < max(self.ledgers):
-                    self.ledgers[epoch].close_epoch()
+            newest = max(self.left)
+            for epoch in [e for e, n in self.left.items() if n == 0 and e < newest]:  # checked once, then closed
+                self.ledgers[epoch].close_epoch()
+                del self.left[epoch]
             self.lock.notify_all()
 
     def _epoch_of(self, idx: list[int]) -> int:
@@ -220,7 +230,7 @@ class StreamStates:
     # ------------------------------------------------------------ the controller thread
 
     def _bytes(self, sample: int) -> int:
-        return min(int(self.prep.lengths[sample]), self.max_tokens) * self.bytes_per_token
+        return min(self.lengths[sample], self.max_tokens) * self.bytes_per_token
 
     def _tokens(self, sample: int) -> list[int]:
         return self.prep[sample]["input_ids"][: self.max_tokens].tolist()
@@ -330,6 +340,11 @@ class StreamStates:
         engine = self.probes.pop(ref)
         try:
             info = ray.get(ref)
+        except ray.exceptions.ActorUnavailableError:  # Ray is restarting it: not a failure of its own, ask again
+            time.sleep(PROBE_PAUSE_S)
+            with self.lock:
+                self.probes[self.engines[engine].ready.remote()] = engine
+            return
         except Exception as e:
             with self.lock:
                 self._engine_failed(engine, f"engine {self.names[engine]} did not come back: {type(e).__name__}: "
@@ -397,6 +412,7 @@ class StreamStates:
             self.fatal = self.fatal or StreamError(
                 f"sample {self.prep.ids[i]!r} (prepare index {i}) failed {led.entries[i].attempt} times "
                 f"(train.stream.max_attempts={self.sc.max_attempts}): " + " | ".join(self.errors[(epoch, i)][-3:]))
+            self.lock.notify_all()  # the trainer waiting for this sample raises now, not at its next poll
             return
         self.queue.appendleft((epoch, i))
 
