@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from eyas.errors import EyasError, exception_message
 from eyas.stream.ledger import Ledger, LedgerError
 
 DEPTH = 2  # engine calls waiting per engine: one prefilling, one queued behind it
+FETCHERS = 4  # threads fetching objects from the store (each with its own registered buffer)
 EVAL = -1  # the "epoch" of held-out samples
 PROBE_PAUSE_S = 0.2  # between probes of an engine Ray is restarting (a probe sent then fails at once)
 
@@ -92,6 +94,7 @@ class StreamStates:
         self.rates, self.total = Rates(), Rates()
         self.lock = threading.Condition()
         self.stop = False
+        self.fetchers = ThreadPoolExecutor(FETCHERS, thread_name_prefix="eyas-stream-fetch")
         self.thread = threading.Thread(target=self._run, name="eyas-stream-controller", daemon=True)
         self.thread.start()
 
@@ -226,6 +229,7 @@ class StreamStates:
             self.stop = True
             self.lock.notify_all()
         self.thread.join(timeout=30)
+        self.fetchers.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ the controller thread
 
@@ -315,8 +319,16 @@ class StreamStates:
                     self._engine_failed(call.engine, why)
                 self.lock.notify_all()
             return
-        for (epoch, i, rid, nbytes), res in zip(call.items, results):
-            self._one(epoch, i, rid, nbytes, res, name)
+        for (epoch, i, rid, nbytes), res in zip(call.items, results):  # fetched apart: a slow object holds no other
+            self.fetchers.submit(self._fetch, epoch, i, rid, nbytes, res, name)
+
+    def _fetch(self, *args) -> None:
+        try:
+            self._one(*args)
+        except BaseException as e:  # handed to the trainer, which raises it at its next batch
+            with self.lock:
+                self.fatal = self.fatal or e
+                self.lock.notify_all()
 
     def _engine_failed(self, engine: int, why: str) -> None:
         """(lock held) No more work for `engine` until it answers a probe (Ray restarts a dead one);
