@@ -68,12 +68,11 @@ def check_stream(cfg, layer_ids: list[int], hidden: int, world: int) -> int:
     from eyas.stream.transport import load_ibverbs
 
     vllm_engine.on_cpu("train.mode=stream")  # ConfigError when vLLM is missing
-    missing = []
-    for module, package in (("ray", "ray"), ("hs_connectors", "hs-connectors")):
-        try:
-            __import__(module)
-        except ImportError as e:
-            missing.append(f"{package} ({type(e).__name__}: {e})")
+    import importlib.util
+
+    # found, not imported: Ray reads its authentication settings on import, and open_stream sets them first
+    missing = [package for module, package in (("ray", "ray"), ("hs_connectors", "hs-connectors"))
+               if importlib.util.find_spec(module) is None]
     if missing:
         raise ConfigError(f"train.mode=stream needs {', '.join(missing)} in this Python environment: `pip install "
                           "ray hs-connectors mooncake-transfer-engine` (GPUs) or scripts/vllm-venv.sh (CPU)")

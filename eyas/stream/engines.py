@@ -35,11 +35,35 @@ def engine_kwargs(base: dict[str, Any], store: dict[str, Any], cpu: bool) -> dic
     return kw
 
 
+# Watches the actor (argv[1]) from outside it and kills the actor's process group once the actor is
+# gone: vLLM's EngineCore and workers are the actor's children, in its process group, and a vLLM
+# still loading when its actor dies (the trainer killed, Ray's cluster stopped) outlives it otherwise,
+# holding its memory and GPUs.
+WATCHDOG = (
+    "import os, signal, sys, time\n"
+    "actor = int(sys.argv[1]); group = os.getpgid(actor)\n"
+    "while os.getppid() == actor: time.sleep(0.5)\n"
+    "os.killpg(group, signal.SIGKILL)\n"
+)
+
+
+def reap_with_me() -> None:
+    """Start WATCHDOG for this process (the engine actor), which leads its own process group."""
+    import subprocess
+    import sys
+
+    if os.getpgid(0) != os.getpid():  # a group of its own, so that the watchdog kills only the engine's processes
+        os.setpgid(0, 0)
+    subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid())], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 class Engine:
     """The body of one engine actor (ray.remote(Engine) in eyas/stream/source.py)."""
 
     def __init__(self, kwargs: dict[str, Any], name: str, env: dict[str, str] | None = None):
         os.environ.update(env or {})  # VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_KVCACHE_SPACE ...
+        reap_with_me()
         from vllm import LLM, SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -126,7 +150,7 @@ def start_engines(kwargs: dict[str, Any], names: list[str], namespace: str, sc, 
     handles = []
     for name in names:
         options: dict[str, Any] = {"name": name, "namespace": namespace, "max_restarts": sc.engine_restarts,
-                                   "max_task_retries": 0, "max_concurrency": 2}  # ready() answers while extract() runs
+                                   "max_task_retries": 0, "max_concurrency": 4}  # ready(), stats() answer while extract() runs
         if cpu:
             options["num_cpus"] = 0
             binding = check_cpu_workers(gpus, "extract")
