@@ -95,6 +95,9 @@ def throughput(stage: str, meta: dict[str, Any]) -> dict[str, Any]:
         "train": (meta.get("metrics") or {}).get("tokens_per_s"),
     }.get(stage)
     out: dict[str, Any] = {"tokens_per_s": tps} if tps else {}
+    stream = (meta.get("metrics") or {}).get("stream") if stage == "train" else None
+    if stream:  # train.mode=stream: the ledger's counts and the throughput accounting
+        out["stream"] = stream
     total = (meta.get("metrics") or {}).get("all_runs") if stage == "train" else None
     if total and total["runs"] > 1:
         out["all_runs"] = total

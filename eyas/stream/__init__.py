@@ -167,7 +167,7 @@ def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
     transport = Transport(store_config(info["master"], 0, host=sc.host, protocol=sc.protocol, device=sc.device))
     norm = vllm_backend.load_final_norm(cfg.target, compute)
     states = StreamStates(handles, names, transport, data.source, data.layer_ids, hidden, norm, compute, stored, sc,
-                          tc.max_tokens, bytes_per_token, window)
+                          tc.max_tokens, bytes_per_token, window, rank=rank, world=world)
     if rank == 0:
         print(f"[eyas:train] stream: {len(handles)} engine(s) ready; window {window / 1e9:.2f} GB per rank "
               f"({bytes_per_token} bytes per token)", flush=True)

@@ -58,8 +58,6 @@ class Rates:
     trained_tokens: int = 0
     wait_s: float = 0.0  # the trainer waited for states
     held_s: float = 0.0  # the engines had room for work but the window was full
-    engine_tokens: int = 0
-    engine_busy_s: float = 0.0
     retries: int = 0
     started: float = field(default_factory=time.perf_counter)
 
@@ -72,11 +70,12 @@ class StreamStates:
 
     def __init__(self, engines: list, names: list[str], transport, prep, layer_ids: list[int], hidden: int,
                  norm, compute_dtype: torch.dtype, dtype: torch.dtype, sc, max_tokens: int, bytes_per_token: int,
-                 window_bytes: int, saved: list[dict[str, Any]] | None = None):
+                 window_bytes: int, saved: list[dict[str, Any]] | None = None, rank: int = 0, world: int = 1):
         self.engines, self.names, self.transport, self.prep = engines, names, transport, prep
         self.num_states, self.hidden = len(layer_ids) + 1, hidden
         self.norm, self.compute_dtype, self.dtype, self.sc = norm, compute_dtype, dtype, sc
         self.max_tokens, self.bytes_per_token, self.window = max_tokens, bytes_per_token, window_bytes
+        self.rank, self.world = rank, world
         self.saved = _merge(saved or [])  # (epoch, sample) -> (state, attempt) from a checkpoint
         self.index = {sid: i for i, sid in enumerate(prep.ids)}
         self.lengths = prep.lengths.tolist()  # once: `prep.lengths` recomputes every sample's length
@@ -443,9 +442,35 @@ class StreamStates:
                 r.trained_tokens += tokens
 
     def _rates(self, r: Rates) -> dict[str, float]:
+        """The accounting of a span (`r`): inference capacity I (tokens/s the engines prefill while busy,
+        summed over engines, since they started: rank 0 asks them), training capacity T (this rank's tokens per second not
+        spent waiting for states, times the ranks), the achieved rate, and the seconds the trainer
+        waited and the engines were held back by the window. `achieved / min(I, T)` near 1: the
+        slower side sets the pace and the other keeps up."""
         wall = max(time.perf_counter() - r.started, 1e-9)
-        return {"stream_wait_s": r.wait_s, "stream_held_s": r.held_s, "stream_retries": r.retries,
-                "stream_window_gb": self.in_window / 1e9, "stream_wall_s": wall}
+        out = {"stream_wait_s": r.wait_s, "stream_held_s": r.held_s, "stream_retries": r.retries,
+               "stream_window_gb": self.in_window / 1e9, "stream_wall_s": wall,
+               "stream_achieved_tok_s": r.trained_tokens * self.world / wall,
+               "stream_train_tok_s": r.trained_tokens * self.world / max(wall - r.wait_s, 1e-9)}
+        engines = self._engine_rates(r)
+        if engines is not None:
+            out["stream_engine_tok_s"] = engines
+            out["stream_efficiency"] = out["stream_achieved_tok_s"] / max(min(engines, out["stream_train_tok_s"]), 1e-9)
+        return out
+
+    def _engine_rates(self, r: Rates) -> float | None:
+        """Inference capacity: sum over engines of the tokens each prefilled / the seconds it was busy,
+        since it started (a span's own would be 0 when every sample of it was asked for earlier).
+        Rank 0 only; None elsewhere, or when an engine does not answer within 10 s (restarting)."""
+        import ray
+
+        if self.rank != 0:
+            return None
+        try:
+            now = ray.get([e.stats.remote() for e in self.engines], timeout=10)
+        except Exception:  # an engine restarting: no figure for this span
+            return None
+        return sum(b["tokens"] / b["busy_s"] for b in now if b["busy_s"] > 0)
 
 
 def _merge(saved: list[dict[str, Any]]) -> dict[tuple[int, int], tuple[str, int]]:
@@ -467,6 +492,5 @@ def combine_summaries(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             tot = epochs.setdefault(e["epoch"], {k: 0 for k in e if k != "epoch"})
             for k in tot:
                 tot[k] += e[k]
-    keys = ("stream_wait_s", "stream_held_s", "stream_retries")
     return {"epochs": [{"epoch": e, **v} for e, v in sorted(epochs.items())],
-            "ranks": [{k: r[k] for k in keys} for r in per_rank]}
+            "ranks": [{k.removeprefix("stream_"): v for k, v in r.items() if k.startswith("stream_")} for r in per_rank]}

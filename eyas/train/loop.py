@@ -540,9 +540,13 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
                       f"{last_train['tokens_per_s']:.0f} tok/s (loader {last_train['loader_s']:.1f} of {dt:.1f} s)",
                       flush=True)
             if tr.rank == 0 and "stream_wait_s" in last_train:
-                print(f"[eyas:train] stream: waited for states {last_train['stream_wait_s']:.1f} s, engines held back "
-                      f"{last_train['stream_held_s']:.1f} s, {last_train['stream_retries']} asked again, window "
-                      f"{last_train['stream_window_gb']:.2f} GB", flush=True)
+                rec_s = last_train
+                capacity = (f"engines {rec_s['stream_engine_tok_s']:.0f} tok/s, training {rec_s['stream_train_tok_s']:.0f} "
+                            f"tok/s, achieved {rec_s['stream_efficiency']:.2f} of the slower; "
+                            if "stream_engine_tok_s" in rec_s else "")
+                print(f"[eyas:train] stream: {capacity}waited for states {rec_s['stream_wait_s']:.1f} s, engines held "
+                      f"back {rec_s['stream_held_s']:.1f} s, {rec_s['stream_retries']} asked again, window "
+                      f"{rec_s['stream_window_gb']:.2f} GB", flush=True)
             acc = {k: v.clone() for k, v in zero.items()}
             watch.check(done, step_norms, rec)
             # until the next logging step: a window as long as this one (its side work included) and
