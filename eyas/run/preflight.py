@@ -58,7 +58,7 @@ def preflight(cfg: EyasConfig, stages: list[str]) -> None:
     if "train" in stages and cfg.train.mode == "stream":  # vLLM, Ray, Mooncake here; the window's size
         from eyas.stream import check_stream
 
-        check_stream(cfg, layer_ids, int(conf.hidden_size), int(os.environ.get("WORLD_SIZE", "1")))
+        check_stream(cfg, layer_ids, int(conf.hidden_size), int(os.environ.get("WORLD_SIZE", "1")), conf.model_type)
 
 
 def _check_evaluate_bench(cfg: EyasConfig, stages: list[str]) -> None:

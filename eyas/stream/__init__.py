@@ -60,7 +60,7 @@ class Session:
             self.master.stop()
 
 
-def check_stream(cfg, layer_ids: list[int], hidden: int, world: int) -> int:
+def check_stream(cfg, layer_ids: list[int], hidden: int, world: int, model_type: str = "") -> int:
     """What train.mode=stream needs, checked before anything starts: vLLM, Ray, hs-connectors and
     Mooncake's store (with libibverbs) importable here, and a window that holds two optimizer steps'
     states. -> the window in bytes. ConfigError naming what to install or which flag to change."""
@@ -78,13 +78,16 @@ def check_stream(cfg, layer_ids: list[int], hidden: int, world: int) -> int:
                           "ray hs-connectors mooncake-transfer-engine` (GPUs) or scripts/vllm-venv.sh (CPU)")
     try:
         load_ibverbs()
-        import mooncake.store  # noqa: F401
+        import mooncake.store  # noqa: F401  (loads: libibverbs found)
     except (ImportError, OSError, EyasError) as e:
         raise ConfigError(f"train.mode=stream needs Mooncake's store: {type(e).__name__}: {exception_message(e)} "
                           "(`pip install mooncake-transfer-engine`, or -non-cuda on CPU; it links libibverbs: "
                           "`apt install libibverbs1`, or scripts/vllm-venv.sh)") from e
     sc, tc = cfg.train.stream, cfg.train
     cpu = vllm_engine.on_cpu("train.mode=stream")
+    from eyas.extract.vllm_backend import check_supported
+
+    check_supported(cfg.extract, model_type, layer_ids, cpu)  # what vLLM cannot capture, as for extract
     compute = resolve_dtype_name(cfg.target.dtype, cpu)
     per_token = (len(layer_ids) + 1) * hidden * torch.empty((), dtype=compute).element_size() + 8
     window = int(sc.window_gb * 1e9) if sc.window_gb else int(0.8 * sc.store_gb * 1e9 * sc.engines / world)
@@ -120,7 +123,7 @@ def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
     hf = load_hf_config(cfg.target).to_dict()
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
     num_layers, hidden = int(text["num_hidden_layers"]), int(text["hidden_size"])
-    window = check_stream(cfg, data.layer_ids, hidden, world)
+    window = check_stream(cfg, data.layer_ids, hidden, world, str(text.get("model_type", "")))
     compute = resolve_dtype(cfg.target.dtype, "cpu" if cpu else "cuda")
     stored = compute if cfg.extract.store_dtype == "auto" else getattr(torch, cfg.extract.store_dtype)
     bytes_per_token = (len(data.layer_ids) + 1) * hidden * torch.empty((), dtype=compute).element_size() + 8

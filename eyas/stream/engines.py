@@ -156,6 +156,8 @@ def start_engines(kwargs: dict[str, Any], names: list[str], namespace: str, sc, 
             binding = check_cpu_workers(gpus, "extract")
             if binding is not None:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = binding
+                print(f"[eyas:train] stream: {name}: VLLM_CPU_OMP_THREADS_BIND={binding} (one core group per vLLM "
+                      "CPU worker; set it yourself to choose others)", flush=True)
         else:
             pg = ray.util.placement_group([{"GPU": gpus, "CPU": 1}], strategy="STRICT_PACK", name=f"{namespace}-{name}")
             ray.get(pg.ready())

@@ -28,7 +28,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.data import write_sharegpt_chats
+from tests.data import write_sharegpt_chats, write_synthetic_chats
+from tests.models import save_deepseek_v3
 from tests.vllm_serving import vllm_env, vllm_python
 
 
@@ -142,3 +143,30 @@ def test_a_window_too_small_for_two_steps_stops_before_any_stage(tmp_path, smoll
     assert rc == 2, text[-3000:]
     assert "train.stream.window_gb=0.008 GB per rank holds less than two optimizer steps' states" in text
     assert not (tmp_path / "run" / "prepare").exists()
+
+
+@needs_vllm
+def test_an_mla_moe_target_at_tensor_parallel_2_streams_to_two_trainer_ranks(tmp_path, smollm2_dir):
+    """A tiny DeepSeek-V3 (MLA, routed MoE, YaRN) in one vLLM engine at tensor parallel 2 (eyas binds
+    its CPU threads), two trainer ranks under torchrun, through `eyas run`: each rank asks the engine
+    for its own share of every step, and the ledgers together trained every dealt sample once."""
+    target = save_deepseek_v3(tmp_path / "target", smollm2_dir, q_lora_rank=64, yarn=True)
+    chats = write_synthetic_chats(tmp_path / "chats.jsonl", 24, max_words=40)
+    run = tmp_path / "run"
+    torchrun = Path(vllm_python()).parent / "torchrun"
+    with open(tmp_path / "run.log", "w") as f:
+        rc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "eyas.cli", "run", f"--run_dir={run}",
+                             f"--target.model={target}", f"--prepare.data={chats}", "--prepare.max_length=128",
+                             "--prepare.draft_vocab_size=500", "--target.dtype=float32", "--extract.layer_ids=[1,2,3]",
+                             "--extract.vllm_tensor_parallel_size=2", *STREAM, "--train.max_tokens=256",
+                             "--train.max_steps=4", "--train.log_every=2", "--stop_after=train"],
+                            stdout=f, stderr=subprocess.STDOUT, env=vllm_env(VLLM_CPU_KVCACHE_SPACE="1"),
+                            timeout=600, cwd=tmp_path).returncode
+    log = (tmp_path / "run.log").read_text()
+    assert rc == 0, log[-6000:]
+    assert "VLLM_CPU_OMP_THREADS_BIND=0|1" in log and "world size 2" in log
+    meta = json.loads((run / "train" / "meta.json").read_text())
+    (epoch,) = meta["metrics"]["stream"]["epochs"]
+    # 4 steps x 2 ranks x one micro-batch each: every sample dealt to either rank trained once
+    assert epoch["trained"] == epoch["samples"] >= 8 and epoch["duplicates_dropped"] == 0
+    assert len(meta["metrics"]["stream"]["ranks"]) == 2 and not (run / "extract").exists()
