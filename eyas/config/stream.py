@@ -24,8 +24,8 @@ class StreamConfig:
     (--eviction_high_watermark_ratio=1.0 --eviction_ratio=0.0); empty = eyas starts one on
     127.0.0.1 (its log in OUT_DIR/stream/mooncake_master.log)."""
     host: str = "127.0.0.1"
-    """The address this node's Mooncake clients (engines, trainer ranks) listen on: 127.0.0.1 on one
-    node; the node's own reachable address on a cluster."""
+    """The address Mooncake's master and clients (engines, trainer ranks) listen on: 127.0.0.1 on one
+    node; `auto` on a cluster (each process its node's address as Ray knows it)."""
     protocol: str = "tcp"
     """Mooncake's transport: tcp, or rdma on clusters with RDMA NICs (with `device`)."""
     device: str = ""
@@ -44,6 +44,11 @@ class StreamConfig:
     wait_timeout_s: float = 3600.0
     """How long a rank waits for a batch's states in all (engines loading count): past it the run
     stops naming the samples and the engines; 0 = forever."""
+    parity: int = 2
+    """The first this-many samples of every engine that trainer rank 0 receives are compared with a
+    plain forward of the target through transformers on CPU (as extract.vllm_parity does); a
+    mismatch stops the run naming the engine, sample and layer. It loads the whole target into
+    host memory: 0 for targets that do not fit (check vLLM on a smaller one of the same family)."""
     max_attempts: int = 3
     """Times one sample is asked for before the run stops naming it and its errors."""
     engine_restarts: int = 2
@@ -57,6 +62,7 @@ class StreamConfig:
         require(self.store_gb > 0, f"train.stream.store_gb={self.store_gb} must be > 0")
         require(self.request_tokens >= 1, f"train.stream.request_tokens={self.request_tokens} must be >= 1")
         require(self.fetch_timeout_s > 0, f"train.stream.fetch_timeout_s={self.fetch_timeout_s} must be > 0")
+        require(self.parity >= 0, f"train.stream.parity={self.parity} must be >= 0 (0 = off)")
         require(self.max_attempts >= 1, f"train.stream.max_attempts={self.max_attempts} must be >= 1")
         require(self.engine_restarts >= 0, f"train.stream.engine_restarts={self.engine_restarts} must be >= 0")
         require(self.protocol in ("tcp", "rdma"), f"train.stream.protocol={self.protocol!r}: choose tcp or rdma")

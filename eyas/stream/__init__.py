@@ -134,7 +134,8 @@ def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
         if sc.master:
             master_address = sc.master
         else:
-            master = Master(out / "stream" / "mooncake_master.log", host=sc.host)
+            master = Master(out / "stream" / "mooncake_master.log",
+                            host=_node_address() if sc.host == "auto" else sc.host)
             master_address = master.address
             print(f"[eyas:train] stream: mooncake_master on {master_address} (eviction off; log {master.log})", flush=True)
         if not sc.ray_address:  # Ray's token authentication: the other ranks join this run's cluster with it
@@ -167,14 +168,34 @@ def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
     info = rank0_object(info)  # every rank waits here until the engines are up
     if rank != 0:
         handles = [ray.get_actor(n, namespace=info["namespace"]) for n in names]
-    transport = Transport(store_config(info["master"], 0, host=sc.host, protocol=sc.protocol, device=sc.device))
+    host = ray.util.get_node_ip_address() if sc.host == "auto" else sc.host  # this rank's node
+    transport = Transport(store_config(info["master"], 0, host=host, protocol=sc.protocol, device=sc.device))
     norm = vllm_backend.load_final_norm(cfg.target, compute)
+    def reference():  # transformers on CPU, loaded at the first parity check (rank 0)
+        from eyas.extract.backend import HFBackend
+        from eyas.target import load_model
+
+        print("[eyas:train] stream: loading the target through transformers on CPU for the parity check "
+              "(train.stream.parity)", flush=True)
+        return HFBackend(load_model(cfg.target, device="cpu"), data.layer_ids, stored)
+
     states = StreamStates(handles, names, transport, data.source, data.layer_ids, hidden, norm, compute, stored, sc,
-                          tc.max_tokens, bytes_per_token, window, rank=rank, world=world)
+                          tc.max_tokens, bytes_per_token, window, rank=rank, world=world,
+                          reference=reference if sc.parity else None)
     if rank == 0:
         print(f"[eyas:train] stream: {len(handles)} engine(s) ready; window {window / 1e9:.2f} GB per rank "
               f"({bytes_per_token} bytes per token)", flush=True)
     return Session(states, handles if rank == 0 else [], master, bool(info.get("started_ray")) and rank == 0)
+
+
+def _node_address() -> str:
+    """This node's address as other nodes reach it (the one a UDP socket towards a public address
+    would leave from; nothing is sent)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("10.255.255.255", 1))
+        return s.getsockname()[0]
 
 
 def _init_ray(sc) -> bool:

@@ -71,6 +71,11 @@ class Engine:
 
         load_ibverbs()
         self.name, self.started = name, time.time()
+        mooncake = kwargs["kv_transfer_config"]["kv_connector_extra_config"]["mooncake"]
+        if mooncake.get("local_hostname") == "auto":  # a cluster: this node's address, as Ray knows it
+            import ray
+
+            mooncake["local_hostname"] = ray.util.get_node_ip_address()
         self.llm = LLM(**kwargs)
         self.engine = self.llm.llm_engine
         self.params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,

@@ -70,12 +70,17 @@ class StreamStates:
 
     def __init__(self, engines: list, names: list[str], transport, prep, layer_ids: list[int], hidden: int,
                  norm, compute_dtype: torch.dtype, dtype: torch.dtype, sc, max_tokens: int, bytes_per_token: int,
-                 window_bytes: int, saved: list[dict[str, Any]] | None = None, rank: int = 0, world: int = 1):
+                 window_bytes: int, saved: list[dict[str, Any]] | None = None, rank: int = 0, world: int = 1,
+                 reference=None):
         self.engines, self.names, self.transport, self.prep = engines, names, transport, prep
         self.num_states, self.hidden = len(layer_ids) + 1, hidden
         self.norm, self.compute_dtype, self.dtype, self.sc = norm, compute_dtype, dtype, sc
         self.max_tokens, self.bytes_per_token, self.window = max_tokens, bytes_per_token, window_bytes
         self.rank, self.world = rank, world
+        self.reference = reference  # () -> a backend with .references() (transformers on CPU), for parity
+        self.parity: dict[str, list[float]] = collections.defaultdict(list)  # engine -> checked samples' errors
+        self.parity_lock = threading.Lock()  # one check at a time (one reference model, loaded at the first)
+        self._ref = None
         self.saved = _merge(saved or [])  # (epoch, sample) -> (state, attempt) from a checkpoint
         self.index = {sid: i for i, sid in enumerate(prep.ids)}
         self.lengths = prep.lengths.tolist()  # once: `prep.lengths` recomputes every sample's length
@@ -214,7 +219,10 @@ class StreamStates:
 
     def summary(self) -> dict[str, Any]:
         with self.lock:
-            return {"epochs": [led.summary() for e, led in self.ledgers.items() if e != EVAL], **self._rates(self.total)}
+            parity = {"stream_parity_checked": sum(len(v) for v in self.parity.values()),
+                      "stream_parity_max_error": max((e for v in self.parity.values() for e in v), default=None)}
+            return {"epochs": [led.summary() for e, led in self.ledgers.items() if e != EVAL], **self._rates(self.total),
+                    **(parity if self.rank == 0 else {})}
 
     def take_rates(self) -> dict[str, float]:
         """The throughput accounting since the last call (the loop logs it per window)."""
@@ -390,9 +398,33 @@ class StreamStates:
         with torch.no_grad():
             final = self.norm(states_SKD[:, -1].to(self.compute_dtype)).to(self.dtype)
             aux = states_SKD[:, :-1].to(self.dtype)
+        self._parity(name, i, aux, final)
         with self.lock:
             self.ready[(epoch, i)] = (aux, final)
             self.lock.notify_all()
+
+    def _parity(self, engine: str, i: int, aux: torch.Tensor, final: torch.Tensor) -> None:
+        """Rank 0: the engine's first train.stream.parity samples against a plain forward of the target
+        (extract's check_parity); a mismatch is fatal (StreamError naming the engine and the sample)."""
+        from eyas.extract.backend import ParityError, check_parity, default_tolerance
+
+        if self.rank != 0 or self.reference is None or len(self.parity[engine]) >= self.sc.parity:
+            return
+        with self.parity_lock:
+            if len(self.parity[engine]) >= self.sc.parity:
+                return
+            if self._ref is None:
+                self._ref = self.reference()
+            states = torch.cat([aux, final[:, None]], dim=1)
+            tol = max(default_tolerance(self.compute_dtype), default_tolerance(self.dtype))
+            try:
+                result = check_parity(self._ref, [(self.prep.ids[i], states, torch.as_tensor(self._tokens(i)))], tol)
+            except ParityError as e:
+                raise StreamError(f"engine {engine}: the streamed states of sample {self.prep.ids[i]!r} are not the "
+                                  f"target's: {e}. {self._ref.parity_hint}; train.stream.parity=0 turns the check off")
+            self.parity[engine] += result.errors
+            print(f"[eyas:train] stream: engine {engine}: sample {self.prep.ids[i]!r} equals a plain forward of the "
+                  f"target (largest relative error {max(result.errors):.2e}, tolerance {tol:g})", flush=True)
 
     def _check(self, i: int, tensors: dict[str, torch.Tensor], key: str) -> torch.Tensor:
         from eyas.extract.vllm_backend import _first_difference

@@ -112,6 +112,9 @@ def test_the_ledger_trained_every_sample_once_and_no_state_touched_the_disk(runs
     states = [p for p in train.rglob("*.safetensors") if "checkpoints" not in p.parts and "final" not in p.parts]
     assert states == [] and sorted(p.name for p in (train / "stream").iterdir()) == ["mooncake_master.log"]
     assert meta["inputs"]["stream"]["engines"] == 1
+    # the engine's first samples were checked against a plain transformers forward (train.stream.parity)
+    (rank0,) = meta["metrics"]["stream"]["ranks"]
+    assert rank0["parity_checked"] == 2 and 0 < rank0["parity_max_error"] < 1e-4
 
 
 @needs_vllm
