@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 
 from tests.data import write_sharegpt_chats, write_synthetic_chats
 from tests.models import save_deepseek_v3
-from tests.vllm_serving import vllm_env, vllm_python
+from tests.vllm_serving import CPU_SIZED, REPO, vllm_env, vllm_python
 
 
 def needs_vllm(test):
@@ -149,27 +149,35 @@ def test_a_window_too_small_for_two_steps_stops_before_any_stage(tmp_path, smoll
 
 
 @needs_vllm
-def test_an_mla_moe_target_at_tensor_parallel_2_streams_to_two_trainer_ranks(tmp_path, smollm2_dir):
-    """A tiny DeepSeek-V3 (MLA, routed MoE, YaRN) in one vLLM engine at tensor parallel 2 (eyas binds
-    its CPU threads), two trainer ranks under torchrun, through `eyas run`: each rank asks the engine
-    for its own share of every step, and the ledgers together trained every dealt sample once."""
+def test_the_deepseek_stream_recipe_at_tensor_parallel_2_streams_to_two_trainer_ranks(tmp_path, smollm2_dir):
+    """recipes/deepseek-v3-stream.yaml as its first lines say (torchrun, `eyas run`), CPU-sized as the
+    8-GPU recipes are (tests/vllm_serving.py CPU_SIZED) and on one node: a tiny DeepSeek-V3 (MLA,
+    routed MoE, YaRN) in one vLLM engine at tensor parallel 2 (eyas binds its CPU threads), two
+    trainer ranks (FSDP2), parity on the engine's first samples: each rank asks the engine for its
+    own share of every step, and the ledgers together trained every dealt sample once."""
+    recipe = REPO / "recipes" / "deepseek-v3-stream.yaml"
+    assert "torchrun --nproc-per-node 8 -m eyas run recipes/deepseek-v3-stream.yaml" in recipe.read_text()
     target = save_deepseek_v3(tmp_path / "target", smollm2_dir, q_lora_rank=64, yarn=True)
     chats = write_synthetic_chats(tmp_path / "chats.jsonl", 24, max_words=40)
     run = tmp_path / "run"
     torchrun = Path(vllm_python()).parent / "torchrun"
+    one_node = ["--regenerate.enabled=false", "--stop_after=train", "--train.stream.host=127.0.0.1",
+                "--train.stream.store_gb=0.5", "--train.stream.parity=2", "--extract.layer_ids=[1,2,3]"]
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # eyas binds the threads itself
     with open(tmp_path / "run.log", "w") as f:
-        rc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "eyas.cli", "run", f"--run_dir={run}",
-                             f"--target.model={target}", f"--prepare.data={chats}", "--prepare.max_length=128",
-                             "--prepare.draft_vocab_size=500", "--target.dtype=float32", "--extract.layer_ids=[1,2,3]",
-                             "--extract.vllm_tensor_parallel_size=2", *STREAM, "--train.max_tokens=256",
-                             "--train.max_steps=4", "--train.log_every=2", "--stop_after=train"],
-                            stdout=f, stderr=subprocess.STDOUT, env=vllm_env(VLLM_CPU_KVCACHE_SPACE="1"),
-                            timeout=600, cwd=tmp_path).returncode
+        rc = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "eyas.cli", "run", str(recipe),
+                             f"--run_dir={run}", f"--target.model={target}", f"--prepare.data={chats}", *CPU_SIZED,
+                             *one_node], stdout=f, stderr=subprocess.STDOUT, env=env, timeout=600,
+                            cwd=tmp_path).returncode
     log = (tmp_path / "run.log").read_text()
     assert rc == 0, log[-6000:]
     assert "VLLM_CPU_OMP_THREADS_BIND=0|1" in log and "world size 2" in log
     meta = json.loads((run / "train" / "meta.json").read_text())
+    assert meta["config"]["train"]["parallel"] == "fsdp" and meta["counts"]["steps"] == 3
     (epoch,) = meta["metrics"]["stream"]["epochs"]
-    # 4 steps x 2 ranks x one micro-batch each: every sample dealt to either rank trained once
-    assert epoch["trained"] == epoch["samples"] >= 8 and epoch["duplicates_dropped"] == 0
-    assert len(meta["metrics"]["stream"]["ranks"]) == 2 and not (run / "extract").exists()
+    # 3 steps x 2 ranks x one micro-batch each: every sample dealt to either rank trained once
+    assert epoch["trained"] == epoch["samples"] >= 6 and epoch["duplicates_dropped"] == 0
+    rank0, rank1 = meta["metrics"]["stream"]["ranks"]
+    assert rank0["parity_checked"] == 2 and rank0["parity_max_error"] < 1e-4
+    assert not (run / "extract").exists()
