@@ -21,6 +21,9 @@ rounding the scale to bf16 first.
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 E4M3_MAX = 448.0
@@ -49,8 +52,20 @@ def quantise(x_TX: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantise(q_TX: torch.Tensor, scale_T: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q * scale in float32, rounded once into `dtype`."""
-    return (q_TX.float() * scale_T.float().view(-1, *([1] * (q_TX.dim() - 1)))).to(dtype)
+    """q * scale in float32, rounded once into `dtype`. On the host the e4m3 values come from a
+    256-entry table (`e4m3_values`): ~3x torch's element-wise float8 conversion on a CPU core
+    (~500 vs ~150 M values/s), which the training loader pays for every value it reads."""
+    if q_TX.device.type == "cpu":
+        x = torch.from_numpy(e4m3_values()[q_TX.view(torch.uint8).numpy()])
+    else:
+        x = q_TX.float()
+    return x.mul_(scale_T.float().view(-1, *([1] * (q_TX.dim() - 1)))).to(dtype)
+
+
+@functools.cache
+def e4m3_values() -> np.ndarray:
+    """float32 value of each of the 256 float8_e4m3fn bit patterns (0x7F and 0xFF are NaN)."""
+    return torch.arange(256, dtype=torch.uint8).view(float8_dtype()).float().numpy()
 
 
 def quantise_states(states_TKD: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,20 @@ def test_quantise_rounds_as_computed_by_hand():
     assert fp8.dequantise(q_TD, scale_T, torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_dequantise_reads_e4m3_bit_patterns_as_the_format_defines_them():
+    """Sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal (m/8 x 2^-6);
+    S.1111.111 is NaN (no infinities in e4m3fn). Host (table) path, scale 1 and 2."""
+    bits = torch.tensor([0x00, 0x01, 0x07, 0x08, 0x38, 0xB8, 0x3C, 0x7E, 0xFE, 0x7F, 0xFF], dtype=torch.uint8)
+    want = [0.0, 2**-9, 7 * 2**-9, 2**-6, 1.0, -1.0, 1.5, 448.0, -448.0, float("nan"), float("nan")]
+    q = bits.view(torch.float8_e4m3fn)[:, None]
+    got = fp8.dequantise(q, torch.ones(len(bits)), torch.float32)[:, 0]
+    assert torch.equal(got[:-2], torch.tensor(want[:-2])) and bool(got[-2:].isnan().all())
+    twice = fp8.dequantise(q[:-2], torch.full((len(bits) - 2,), 2.0), torch.float32)[:, 0]
+    assert torch.equal(twice, 2 * torch.tensor(want[:-2]))
+    strided = fp8.dequantise(q.expand(-1, 3)[:, ::2], torch.ones(len(bits)), torch.float32)  # a column slice
+    assert torch.equal(strided[:-2], torch.tensor(want[:-2])[:, None].expand(-1, 2))
+
+
 def test_quantise_states_scales_aux_and_final_apart():
     # one token, K=1 aux layer, D=2: aux amax 7 -> scale 1/64, final amax 3.5 -> scale 1/128
     states_TKD = torch.tensor([[[7.0, -0.5], [3.5, -0.875]]])

@@ -229,7 +229,8 @@ def _check_disk(s: Setup, rank: int, world_size: int, n: int) -> None:
         raise EyasError(
             f"not enough disk: the extract needs ~{need / 1e9:.2f} GB, {free / 1e9:.2f} GB may be used "
             f"({', '.join(lines)}{keep}); use --extract.out_dir on a larger disk, add directories on other "
-            "filesystems to --extract.spill_dirs, --extract.store_dtype=bfloat16, or --extract.max_samples"
+            "filesystems to --extract.spill_dirs, --extract.store_dtype=bfloat16 (or float8, half of that), or "
+            "--extract.max_samples"
         )
 
 

@@ -189,11 +189,11 @@ def test_disk_error_in_one_writer_thread_stops_the_run_and_resume_completes(tmp_
     model = tiny_dirs("llama")
     real, calls = store.ShardWriter.write_states, []
 
-    def flaky(self, states_TKD):
+    def flaky(self, states_TKD, scales_T2=None):
         calls.append(self.path.name)
         if len(calls) == 4:
             raise OSError(28, "No space left on device")
-        real(self, states_TKD)
+        real(self, states_TKD, scales_T2)
 
     monkeypatch.setattr(store.ShardWriter, "write_states", flaky)
     args = ("--extract.token_budget=128", "--extract.shard_bytes=1")  # one batch per shard
