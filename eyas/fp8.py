@@ -73,10 +73,12 @@ def quantise_states(states_TKD: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     the aux scale, column 1 the final one.
 
     Aux and final get one scale each. The aux states are the residual stream, whose magnitude grows
-    with depth and carries a few outlier channels (hundreds to thousands in large targets); the
-    final state is the final norm's output, typically 1-10. Under one shared scale the final
-    state's values would sit 2^5-2^8 below the token's amax, many in e4m3's subnormal range where
-    the 3 mantissa bits are lost, and it is the state the teacher logits are computed from. A
+    with depth and carries a few outlier channels (the "massive activations" of large targets, in
+    the thousands); the final state is the final norm's output, far smaller. Under one shared
+    scale the final state's values sit that ratio below the token's amax, more of them in e4m3's
+    subnormal range where mantissa bits are lost, and it is the state the teacher logits come
+    from. On SmolLM2-135M the aux amax is ~19x the final's (medians 362 and 19.6): shared, the
+    final state's relative RMS error is 2.6% instead of 2.3%; the gap grows with the ratio. A
     second scale costs 4 bytes per token next to (K+1) x D."""
     t = states_TKD.shape[0]
     q_TKD = torch.empty(states_TKD.shape, dtype=float8_dtype(), device=states_TKD.device)
