@@ -571,7 +571,7 @@ def cmd_dsv3(a: argparse.Namespace) -> None:
         model, timing = build_in_memory(conf, heads)
         result.update(timing)
         overrides.append(f"--target.model={heads}")  # preflight reads the config there; the weights are in memory
-        factory = lambda cfg, setup, device: HFBackend(model, setup.layer_ids, setup.store_dtype,  # noqa: E731
+        factory = lambda cfg, setup, device: HFBackend(model, setup.layer_ids, setup.capture_dtype,  # noqa: E731
                                                        compile=cfg.extract.compile)
     if on_gpu:
         for i in range(torch.cuda.device_count()):

@@ -6,6 +6,7 @@
     s = hs[0]                        # sample 0 in prepare's order
     s["input_ids"], s["loss_mask"]   # LongTensor [S]
     s["aux"], s["final"]             # [S, K, D] and [S, D] (bf16 from a GPU run, fp32 from a CPU run)
+    hs.dtype                         # theirs: the stored dtype, or the compute dtype for float8
     s["id"], s["index"]              # source conversation id, index in the prepare output
     hs.meta["layer_ids"], hs.meta["hidden_size"], hs.meta["prepare_dir"]
 
@@ -14,7 +15,9 @@
 the teacher logits. Every sample of the prepare output is stored unless it failed in a run that
 allowed failures (`meta["counts"]["failed"]` lists them); then `hs[i]["index"]` says which sample
 it is. A shard's sha256 is checked the first time it is read; a mismatch raises ArtifactError
-naming the shard.
+naming the shard. States stored as float8 (`extract.store_dtype=float8`: e4m3 and a float32 scale
+per token for aux and for final, eyas/fp8.py) are dequantised here into the compute dtype of the
+extract run (`meta["compute_dtype"]`), so every reader gets bf16 or fp32 whatever the storage.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any, Iterable
 import torch
 from safetensors import safe_open
 
+from eyas import fp8
 from eyas.artifacts import read_meta
 from eyas.errors import ArtifactError, DamagedArtifact
 
@@ -52,6 +56,15 @@ def verified_mark(out_dir: Path, meta: dict[str, Any]) -> str:
     return f"{Path(out_dir).resolve()}@{hash_json(meta)}"
 
 
+def _dtype(name: str) -> torch.dtype:
+    """A meta.json dtype name ("bfloat16") -> torch's."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ArtifactError(f"meta.json names the dtype {name!r}, which this torch {torch.__version__} lacks: "
+                            "read it with the torch that extracted it, or re-run `eyas extract`")
+    return dtype
+
+
 class HiddenStates:
     def __init__(self, out_dir: str | Path, verify_checksums: bool = True):
         self.dir = Path(out_dir)
@@ -68,6 +81,8 @@ class HiddenStates:
         self.lengths = torch.tensor(index["length"], dtype=torch.long)
         self.layer_ids: list[int] = self.meta["layer_ids"]
         self.hidden_size: int = self.meta["hidden_size"]
+        self.quantised = self.meta.get("dtype") == "float8_e4m3fn"
+        self.dtype: torch.dtype = _dtype(self.meta["compute_dtype"] if self.quantised else self.meta["dtype"])
         self.verify_checksums = verify_checksums
         self._verified: set[int] = set()
         if os.environ.get(VERIFIED) == verified_mark(self.dir, self.meta):  # `eyas run` hashed every shard just now
@@ -99,11 +114,15 @@ class HiddenStates:
         a, b = self._offset[i], self._offset[i] + int(self.lengths[i])
         states_SKD = f.get_slice("states")[a:b]
         k = len(self.layer_ids)
+        if self.quantised:
+            aux_SKD, final_SD = fp8.dequantise_states(states_SKD, f.get_slice("scales")[a:b], k, self.dtype)
+        else:
+            aux_SKD, final_SD = states_SKD[:, :k], states_SKD[:, k]
         return {
             "input_ids": f.get_slice("input_ids")[a:b].long(),
             "loss_mask": f.get_slice("loss_mask")[a:b].long(),
-            "aux": states_SKD[:, :k],
-            "final": states_SKD[:, k],
+            "aux": aux_SKD,
+            "final": final_SD,
             "id": self.ids[i],
             "index": self.indices[i],
         }

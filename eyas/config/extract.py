@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from eyas.config.base import require
 
 BACKENDS = ("hf", "vllm")
-STORE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+STORE_DTYPES = ("auto", "bfloat16", "float16", "float32", "float8")
 DEVICE_MAPS = ("", "auto", "balanced", "sequential")
 PROXY_PARITY = ("auto", "always", "never")
 
@@ -28,7 +28,11 @@ class ExtractConfig:
     shard_bytes: int = 1_000_000_000
     """Target size of one output shard in bytes (a shard holds whole batches; at least one batch)."""
     store_dtype: str = "auto"
-    """dtype of the stored hidden states: auto (= the compute dtype), bfloat16, float16, float32."""
+    """dtype of the stored hidden states: auto (= the compute dtype), bfloat16, float16, float32, or
+    float8: e4m3 (torch.float8_e4m3fn) with one float32 scale per token for the aux states and one for
+    the final state, about half of bf16's bytes per token; states are compared with the plain forward
+    before quantising and dequantised on read into the compute dtype (eyas/fp8.py: error <= 2^-4 of
+    a value, or 2^-10 of the token's scale for values below 2^-6 of it)."""
     verify: int = 0
     """Samples compared against a plain batch-1 forward in addition to the whole first batch."""
     parity_tol: float = 0.0
@@ -119,6 +123,12 @@ class ExtractConfig:
             self.store_dtype in STORE_DTYPES,
             f"extract.store_dtype={self.store_dtype!r}: choose one of {', '.join(STORE_DTYPES)}",
         )
+        if self.store_dtype == "float8":
+            import torch
+
+            require(hasattr(torch, "float8_e4m3fn"),
+                    f"extract.store_dtype=float8 needs torch.float8_e4m3fn, which torch {torch.__version__} lacks: "
+                    "upgrade torch (>= 2.1) or store --extract.store_dtype=bfloat16")
         require(self.verify >= 0, f"extract.verify={self.verify} must be >= 0")
         require(self.parity_tol >= 0, f"extract.parity_tol={self.parity_tol} must be >= 0 (0 = auto)")
         require(self.max_failures >= 0, f"extract.max_failures={self.max_failures} must be >= 0")

@@ -24,7 +24,9 @@ How it runs:
   on a side stream and two background threads hash and write the shards, fsyncs overlapping the
   next writes (writer.py): the GPU waits only on a slow disk. `HFBackend(compile=True)` compiles
   the decoder layers (backend.py).
-  Weights and activations in bf16 on GPU, fp32 on CPU (`target.dtype`), stored as `extract.store_dtype`.
+  Weights and activations in bf16 on GPU, fp32 on CPU (`target.dtype`), stored as `extract.store_dtype`;
+  `float8` quantises each batch on the device after the parity check (e4m3, one float32 scale per
+  token for aux and one for final, eyas/fp8.py), so half of bf16's bytes cross to the host and disk.
 * **Parity**: every sample of the first batch, and `extract.verify` more spread over the run, is
   compared with a plain batch-1 `model.model(..., output_hidden_states=True)` (no hooks); a
   relative error past `extract.parity_tol` that is not bf16/fp16 rounding (judged against a float32
@@ -60,7 +62,7 @@ from typing import Any
 
 import torch
 
-from eyas import artifacts, distributed, vllm_engine
+from eyas import artifacts, distributed, fp8, vllm_engine
 from eyas.capture import check_layer_ids, default_layer_ids
 from eyas.config import EyasConfig, dump_config, to_dict
 from eyas.errors import ConfigError, DataError, EyasError, exception_message, record_error, raise_if_terminated
@@ -97,7 +99,27 @@ class Setup:
 
     @property
     def bytes_per_token(self) -> int:
-        return (len(self.layer_ids) + 1) * self.hidden * torch.empty((), dtype=self.store_dtype).element_size()
+        """States (and float8's scales) of one token on disk."""
+        return ((len(self.layer_ids) + 1) * self.hidden * torch.empty((), dtype=self.store_dtype).element_size()
+                + store.scale_bytes(self.store_dtype))
+
+    @property
+    def quantised(self) -> bool:
+        """float8 storage: the backend captures in capture_dtype, the loop quantises before the copy."""
+        return store.scale_bytes(self.store_dtype) > 0
+
+    @property
+    def capture_dtype(self) -> torch.dtype:
+        """The dtype the backend hands the loop (and the parity check judges): the store dtype, or
+        the compute dtype for float8, quantised afterwards."""
+        return self.compute_dtype if self.quantised else self.store_dtype
+
+
+def store_dtype(name: str, compute: torch.dtype) -> torch.dtype:
+    """extract.store_dtype -> the dtype of the stored states (float8 = float8_e4m3fn, with scales)."""
+    if name == "auto":
+        return compute
+    return store.FLOAT8 if name == "float8" else getattr(torch, name)
 
 
 def _log(rank: int, msg: str) -> None:
@@ -136,7 +158,7 @@ def preflight(cfg: EyasConfig, device: torch.device, world_size: int, rank: int 
         raise ConfigError(f"the longest sample has {longest} tokens, more than extract.token_budget={ec.token_budget}: "
                           f"raise it to >= {longest}")
     compute = resolve_dtype(cfg.target.dtype, "cuda" if ec.device_map and torch.cuda.is_available() else str(device))
-    stored = compute if ec.store_dtype == "auto" else getattr(torch, ec.store_dtype)
+    stored = store_dtype(ec.store_dtype, compute)
     out = cfg.stage_dir("extract")
     _check_writable(out)
     spill = store.claim_spill_dirs(out, ec.spill_dirs)
@@ -200,13 +222,15 @@ def _check_disk(s: Setup, rank: int, world_size: int, n: int) -> None:
     _log(rank, f"{len(s.remaining):,} of {n:,} samples to extract ({tokens:,} tokens) on {world_size} rank(s); "
                f"layers {s.layer_ids} + final, D={s.hidden}, {str(s.store_dtype).removeprefix('torch.')}")
     keep = f" (keeping extract.min_free_gb={s.min_free / 1e9:g} free on each)" if s.min_free else ""
-    _log(rank, f"will write ~{need / 1e9:.2f} GB (= {tokens:,} tokens x ({k}+1) x {s.hidden} x "
-               f"{s.bytes_per_token // ((k + 1) * s.hidden)} bytes); {', '.join(lines)}{keep}")
+    scales = f" + {store.scale_bytes(s.store_dtype)} bytes of scales" if s.quantised else ""
+    _log(rank, f"will write ~{need / 1e9:.2f} GB (= {tokens:,} tokens x (({k}+1) x {s.hidden} x "
+               f"{s.bytes_per_token // ((k + 1) * s.hidden)} bytes{scales} + 5)); {', '.join(lines)}{keep}")
     if need > free:
         raise EyasError(
             f"not enough disk: the extract needs ~{need / 1e9:.2f} GB, {free / 1e9:.2f} GB may be used "
             f"({', '.join(lines)}{keep}); use --extract.out_dir on a larger disk, add directories on other "
-            "filesystems to --extract.spill_dirs, --extract.store_dtype=bfloat16, or --extract.max_samples"
+            "filesystems to --extract.spill_dirs, --extract.store_dtype=bfloat16 (or float8, half of that), or "
+            "--extract.max_samples"
         )
 
 
@@ -222,7 +246,7 @@ def make_backend(cfg: EyasConfig, setup: Setup, device: torch.device):
     model = load_model(cfg.target, device=None if cfg.extract.device_map else device,
                        device_map=cfg.extract.device_map or None,
                        attn_implementation=cfg.extract.attn_implementation or None)
-    return HFBackend(model, setup.layer_ids, setup.store_dtype, compile=cfg.extract.compile)
+    return HFBackend(model, setup.layer_ids, setup.capture_dtype, compile=cfg.extract.compile)
 
 
 def smoke_test(backend, setup: Setup, index: int, rank: int) -> None:
@@ -238,7 +262,7 @@ def smoke_test(backend, setup: Setup, index: int, rank: int) -> None:
                         f"{exception_message(e)} (traceback above and in {setup.out / 'errors.jsonl'})") from e
     want = (n, len(setup.layer_ids) + 1, setup.hidden)
     problem = (f"shape {tuple(states.shape)} != {want}" if tuple(states.shape) != want else
-               f"dtype {states.dtype} != {setup.store_dtype}" if states.dtype != setup.store_dtype else
+               f"dtype {states.dtype} != {setup.capture_dtype}" if states.dtype != setup.capture_dtype else
                "inf/NaN values" if not bool(torch.isfinite(states).all()) else "")
     if problem:
         raise EyasError(f"smoke test on sample {setup.prepared.ids[index]}: the captured states have {problem}; "
@@ -291,7 +315,7 @@ def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: 
     numbers = [int(Path(e["shard"]).name.split("-")[1].split(".")[0]) for e in setup.entries if e["rank"] == rank]
     failures = Failures(ec.max_failures, setup.out / "errors.jsonl", rank, setup.prepared.ids)
     copier = HostCopier(max(b.num_tokens for b in batches), len(setup.layer_ids) + 1, setup.hidden,
-                        setup.store_dtype, ec.writer_queue, check=lambda: writer.check())
+                        setup.store_dtype, ec.writer_queue, check=lambda: writer.check())  # float8: + scales
     placer = store.ShardPlacer(setup.out, setup.spill, setup.min_free, check=bool(setup.spill or setup.min_free))
     writer = Writer(setup.out, rank, free_numbers(numbers, len(shards)), shards, setup.prepared,
                     len(setup.layer_ids) + 1, setup.hidden, setup.store_dtype, copier, failures, placer=placer)
@@ -299,7 +323,7 @@ def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: 
         copier.start()  # pins the host buffers while the smoke test and the first batch run
     with timer.gpu("smoke test"):
         smoke_test(backend, setup, mine[-1], rank)
-    tol = ec.parity_tol or max(default_tolerance(setup.compute_dtype), default_tolerance(setup.store_dtype))
+    tol = ec.parity_tol or max(default_tolerance(setup.compute_dtype), default_tolerance(setup.capture_dtype))
     later = [i for b in batches[1:] for i in b.indices]
     first = batches[0].indices if ec.backend == "hf" else batches[0].indices[: ec.vllm_parity]  # vs a CPU reference
     verify = set(first) | {later[round(j * (len(later) - 1) / max(ec.verify - 1, 1))]
@@ -327,7 +351,11 @@ def extract_rank(cfg: EyasConfig, setup: Setup, backend, rank: int, world_size: 
                     summary["parity_float32_judged"] += parity.float32_judged
                 with timer.gpu("isfinite"):
                     finite_T = torch.isfinite(states_TKD).flatten(1).all(1)
-                pending = copier.copy(states_TKD, finite_T, timer)
+                scales_T2 = None
+                if setup.quantised:  # after parity and isfinite: both judge the captured states
+                    with timer.gpu("quantise to float8"):
+                        states_TKD, scales_T2 = fp8.quantise_states(states_TKD, len(setup.layer_ids))
+                pending = copier.copy(states_TKD, finite_T, scales_T2, timer)
                 with timer.host("wait for the writer queue"):
                     writer.submit(batch, pending, failed)
                 if bar is not None:
@@ -419,7 +447,9 @@ def finalize(cfg: EyasConfig, setup: Setup, summaries: list[dict[str, Any]]) -> 
         layer_ids=setup.layer_ids,
         hidden_size=setup.hidden,
         num_hidden_layers=setup.num_layers,
-        layout="states [T, K+1, D]: aux in layer_ids order, then the final-norm output",
+        layout="states [T, K+1, D]: aux in layer_ids order, then the final-norm output"
+               + ("; scales [T, 2] float32: states[:, :K] * scales[:, 0], states[:, K] * scales[:, 1]"
+                  if setup.quantised else ""),
         prepare_dir=str(setup.prepared.dir.resolve()),
         prepare_hashes=setup.prepared.meta.get("hashes", {}),
         shards=shards,

@@ -1,7 +1,9 @@
 """On-disk layout of an extract output: streamed safetensors shards, per-rank journals, the index.
 
     shards/r000-00000.safetensors   states [T, K+1, D] (K aux layers, then the final-norm state),
-                                    input_ids int32 [T], loss_mask uint8 [T]; samples back to back
+                                    input_ids int32 [T], loss_mask uint8 [T]; samples back to back;
+                                    float8 states (extract.store_dtype=float8) also scales float32
+                                    [T, 2]: x = states * scale, column 0 for aux, 1 for final
     progress/r000.jsonl             journal of rank 0: one line per complete shard (name, sha256,
                                     bytes, samples, lengths, failed samples), appended after the rename
     progress/run.json               what the states depend on (target, layers, dtype, prepare hashes)
@@ -46,6 +48,16 @@ SHARD_DIR = "shards"
 _HASHER = ThreadPoolExecutor(max_workers=4, thread_name_prefix="eyas-shard-hash")  # >= shards written at once
 PROGRESS_DIR = "progress"
 ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int32: "I32", torch.uint8: "U8"}
+FLOAT8 = getattr(torch, "float8_e4m3fn", None)
+if FLOAT8 is not None:
+    ST_DTYPES[FLOAT8] = "F8_E4M3"
+SCALE_BYTES = 8
+"""Per token of a float8 shard: the float32 scales of its aux and final states (`scales` [T, 2])."""
+
+
+def scale_bytes(dtype: torch.dtype) -> int:
+    """Bytes of scales per token a shard of states in `dtype` holds beside the states."""
+    return SCALE_BYTES if dtype == FLOAT8 else 0
 
 
 def shard_name(rank: int, number: int) -> str:
@@ -136,8 +148,9 @@ def free_to_keep(out: Path, spill: list[Path], min_free: int) -> list[tuple[Path
 
 
 def shard_bytes(num_tokens: int, row_bytes: int) -> int:
-    """A shard's size on disk, its header (< 1 KB, padded) rounded up to 4 KB."""
-    return 4096 + num_tokens * (row_bytes + 5)  # states, int32 ids, uint8 mask
+    """A shard's size on disk, its header (< 1 KB, padded) rounded up to 4 KB; `row_bytes` counts
+    a token's states and scales."""
+    return 4096 + num_tokens * (row_bytes + 5)  # states (+ scales), int32 ids, uint8 mask
 
 
 class ShardPlacer:
@@ -198,7 +211,8 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 
 class ShardWriter:
-    """One shard: header first (contents are planned), then states streamed in token order."""
+    """One shard: header first (contents are planned), then states streamed in token order; a
+    float8 shard's scales (a few bytes per token) are kept and written after the states."""
 
     def __init__(self, out: Path, name: str, num_layers: int, hidden: int, dtype: torch.dtype,
                  input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor):
@@ -209,16 +223,21 @@ class ShardWriter:
         self.row_bytes = num_layers * hidden * torch.empty((), dtype=dtype).element_size()
         self.dtype = dtype
         self._tail = [input_ids_T.to(torch.int32).contiguous(), loss_mask_T.to(torch.uint8).contiguous()]
+        self._scales: list[torch.Tensor] | None = [] if scale_bytes(dtype) else None
         states_bytes = self.num_tokens * self.row_bytes
         header: dict[str, Any] = {
             "__metadata__": {"format": "pt", "eyas": "extract-shard-v1"},
             "states": {"dtype": ST_DTYPES[dtype], "shape": [self.num_tokens, num_layers, hidden],
                        "data_offsets": [0, states_bytes]},
-            "input_ids": {"dtype": "I32", "shape": [self.num_tokens],
-                          "data_offsets": [states_bytes, states_bytes + 4 * self.num_tokens]},
-            "loss_mask": {"dtype": "U8", "shape": [self.num_tokens],
-                          "data_offsets": [states_bytes + 4 * self.num_tokens, states_bytes + 5 * self.num_tokens]},
         }
+        end = states_bytes
+        if self._scales is not None:
+            header["scales"] = {"dtype": "F32", "shape": [self.num_tokens, 2],
+                                "data_offsets": [end, end + SCALE_BYTES * self.num_tokens]}
+            end += SCALE_BYTES * self.num_tokens
+        header["input_ids"] = {"dtype": "I32", "shape": [self.num_tokens], "data_offsets": [end, end + 4 * self.num_tokens]}
+        header["loss_mask"] = {"dtype": "U8", "shape": [self.num_tokens],
+                               "data_offsets": [end + 4 * self.num_tokens, end + 5 * self.num_tokens]}
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # safetensors pads the header to 8 bytes
         self.hash = hashlib.sha256()
@@ -228,7 +247,7 @@ class ShardWriter:
         self.file = open(self.tmp, "wb")
         self._write(struct.pack("<Q", len(blob)) + blob)
         self.tokens_written = 0
-        self.bytes = 8 + len(blob) + states_bytes + 5 * self.num_tokens
+        self.bytes = 8 + len(blob) + end + 5 * self.num_tokens
 
     @property
     def offset(self) -> int:
@@ -261,17 +280,23 @@ class ShardWriter:
             pass
         self._hinted = [last, self._offset]
 
-    def write_states(self, states_TKD: torch.Tensor) -> None:
+    def write_states(self, states_TKD: torch.Tensor, scales_T2: torch.Tensor | None = None) -> None:
+        """Stream the states; a float8 shard keeps their scales (a copy: the caller's buffer is reused)."""
         row_bytes = states_TKD.shape[1] * states_TKD.shape[2] * states_TKD.element_size()
         assert states_TKD.dtype == self.dtype and row_bytes == self.row_bytes, "states do not match the shard header"
         assert self.tokens_written + states_TKD.shape[0] <= self.num_tokens, "shard overflow: plan and data disagree"
+        assert (scales_T2 is None) == (self._scales is None), "float8 states come with their scales, others without"
+        if scales_T2 is not None:
+            assert tuple(scales_T2.shape) == (states_TKD.shape[0], 2) and scales_T2.dtype == torch.float32
+            self._scales.append(scales_T2.clone())
         self._write(_raw(states_TKD))
         self.tokens_written += states_TKD.shape[0]
 
     def close(self) -> dict[str, Any]:
         """Finish, fsync, rename into place; -> {name, sha256, bytes}."""
         assert self.tokens_written == self.num_tokens, f"shard got {self.tokens_written} of {self.num_tokens} tokens"
-        for t in self._tail:
+        scales = [] if self._scales is None else [torch.cat([torch.empty(0, 2), *self._scales]).contiguous()]
+        for t in scales + self._tail:
             self._write(_raw(t))
         self.file.flush()
         os.fsync(self.file.fileno())

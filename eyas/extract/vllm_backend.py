@@ -383,7 +383,7 @@ class VLLMBackend:
 
 def make_vllm_backend(cfg, setup, longest: int, reference_model: str | None = None) -> VLLMBackend:
     """Start the engine for an extract run (after preflight), or take the one regenerate parked with
-    the same arguments; states are returned in setup.store_dtype. The parity reference is
+    the same arguments; states are returned in setup.capture_dtype. The parity reference is
     transformers on target.model, or on `reference_model` (a quantized proxy's float twin)."""
     from vllm.platforms import current_platform
 
@@ -413,10 +413,10 @@ def make_vllm_backend(cfg, setup, longest: int, reference_model: str | None = No
         what = f"the proxy's reference {reference_model}" if reference_model else "the target"
         print(f"[eyas:extract] loading {what} through transformers on CPU for the parity check", flush=True)
         target = dataclasses.replace(cfg.target, model=reference_model) if reference_model else cfg.target
-        return HFBackend(load_model(target, device="cpu"), setup.layer_ids, setup.store_dtype)
+        return HFBackend(load_model(target, device="cpu"), setup.layer_ids, setup.capture_dtype)
 
     wants_reference = cfg.extract.vllm_parity > 0 or cfg.extract.verify > 0
-    return VLLMBackend(llm, norm, setup.layer_ids, setup.num_layers, setup.hidden, setup.store_dtype,
+    return VLLMBackend(llm, norm, setup.layer_ids, setup.num_layers, setup.hidden, setup.capture_dtype,
                        setup.prepared.ids, reference if wants_reference else None, scratch)
 
 

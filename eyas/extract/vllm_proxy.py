@@ -317,7 +317,7 @@ def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
     try:
         batch = Batch([0, 1], [t.numel() for t in tokens], 1, sum(t.numel() for t in tokens), True)
         states = backend.forward(batch, tokens)
-        tol = ec.parity_tol or max(default_tolerance(setup.compute_dtype), default_tolerance(setup.store_dtype))
+        tol = ec.parity_tol or max(default_tolerance(setup.compute_dtype), default_tolerance(setup.capture_dtype))
         checks, at = [], 0
         for name, t in zip(proxy_setup.prepared.ids, tokens):
             checks.append((name, states[at: at + t.numel()], t))

@@ -72,18 +72,22 @@ class Failures:
 class Pending:
     states_TKD: torch.Tensor
     finite_T: torch.Tensor
+    scales_T2: torch.Tensor | None = None
+    """float8 states' scales (aux, final per token); None for other dtypes."""
     event: Any = None
-    buffer: tuple[torch.Tensor, torch.Tensor] | None = None
-    """The pooled (states, finite) pinned pair to give back once written."""
+    buffer: tuple[torch.Tensor, ...] | None = None
+    """The pooled (states, finite[, scales]) pinned buffers to give back once written."""
 
 
 class HostCopier:
-    """A pool of pinned host buffers, allocated once, and a side stream for the device->host copies."""
+    """A pool of pinned host buffers, allocated once, and a side stream for the device->host copies.
+    float8 states travel with their scales (a third, small buffer)."""
 
     def __init__(self, max_tokens: int, num_layers: int, hidden: int, dtype: torch.dtype, depth: int,
                  check: Callable[[], None]):
         self.shape = (max_tokens, num_layers, hidden)
         self.dtype, self.depth, self.check = dtype, depth, check
+        self.scaled = store.scale_bytes(dtype) > 0
         self.free: queue.Queue = queue.Queue()
         self.stream = None
         self.error: BaseException | None = None
@@ -99,12 +103,13 @@ class HostCopier:
     def _allocate(self) -> None:
         try:
             for _ in range(self.depth):
+                scales = (torch.empty(self.shape[0], 2, dtype=torch.float32, pin_memory=True),) if self.scaled else ()
                 self.free.put((torch.empty(self.shape, dtype=self.dtype, pin_memory=True),
-                               torch.empty(self.shape[0], dtype=torch.bool, pin_memory=True)))
+                               torch.empty(self.shape[0], dtype=torch.bool, pin_memory=True), *scales))
         except BaseException as e:  # raised on the main thread by _buffer()
             self.error = e
 
-    def _buffer(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _buffer(self) -> tuple[torch.Tensor, ...]:
         self.start()
         while True:  # wait for the pool or for a writer to give one back, but notice if either died
             try:
@@ -114,25 +119,30 @@ class HostCopier:
                     raise self.error
                 self.check()
 
-    def copy(self, states_TKD: torch.Tensor, finite_T: torch.Tensor, timer: NullTimer = NULL_TIMER) -> Pending:
+    def copy(self, states_TKD: torch.Tensor, finite_T: torch.Tensor, scales_T2: torch.Tensor | None = None,
+             timer: NullTimer = NULL_TIMER) -> Pending:
+        assert (scales_T2 is not None) == self.scaled, "float8 states come with their scales, others without"
         if states_TKD.device.type != "cuda":
-            return Pending(states_TKD.contiguous(), finite_T)
+            return Pending(states_TKD.contiguous(), finite_T, scales_T2)
         dev = states_TKD.device
         if self.stream is None:
             self.stream = torch.cuda.Stream(dev)
         with timer.host("wait for a pinned buffer"):
-            buf, fin = self._buffer()
+            buffer = self._buffer()
+        buf, fin = buffer[:2]
         n = states_TKD.shape[0]
         self.stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(self.stream), timer.gpu("device->host copy (side stream)"):
             buf[:n].copy_(states_TKD, non_blocking=True)
             fin[:n].copy_(finite_T, non_blocking=True)
+            if scales_T2 is not None:
+                buffer[2][:n].copy_(scales_T2, non_blocking=True)
             event = torch.cuda.Event(blocking=True)  # a writer waiting on it sleeps instead of spinning a core
             event.record(self.stream)
         # the caching allocator must not reuse these before the side stream has read them
-        states_TKD.record_stream(self.stream)
-        finite_T.record_stream(self.stream)
-        return Pending(buf[:n], fin[:n], event, (buf, fin))
+        for t in (states_TKD, finite_T) if scales_T2 is None else (states_TKD, finite_T, scales_T2):
+            t.record_stream(self.stream)
+        return Pending(buf[:n], fin[:n], None if scales_T2 is None else buffer[2][:n], event, buffer)
 
     def release(self, p: Pending) -> None:
         if p.buffer is not None:
@@ -216,7 +226,7 @@ class Writer:
                 samples = [self.prepared[i] for i in indices]
                 ids = torch.cat([x["input_ids"] for x in samples])
                 current = self.placer.open_shard(
-                    self.rank, self.numbers[s], ids.numel(), self.row_bytes,
+                    self.rank, self.numbers[s], ids.numel(), self.row_bytes + store.scale_bytes(self.dtype),
                     lambda name: store.ShardWriter(self.out, name, self.num_layers, self.hidden, self.dtype,
                                                    ids, torch.cat([x["loss_mask"] for x in samples])))
                 name = current.name
@@ -234,7 +244,7 @@ class Writer:
                 t0 = time.perf_counter()
                 info = current.close()
                 self.placer.closed(current)
-                self._bytes[w] += info["bytes"] - current.num_tokens * current.row_bytes  # header, ids, mask
+                self._bytes[w] += info["bytes"] - current.num_tokens * current.row_bytes  # header, scales, ids, mask
                 current = None
                 entry = {"shard": name, "rank": self.rank, **info, "samples": indices,
                          "lengths": [n for b in batches for n in b.lengths], "failed": failed}
@@ -257,7 +267,7 @@ class Writer:
         if p.event is not None:
             p.event.synchronize()
         t1 = time.perf_counter()
-        shard.write_states(p.states_TKD)
+        shard.write_states(p.states_TKD, p.scales_T2)
         self._bytes[w] += p.states_TKD.numel() * p.states_TKD.element_size()
         bad, start = [], 0
         if not bool(p.finite_T.all()):

@@ -157,10 +157,8 @@ def engine_for(cfg: EyasConfig, cpu: bool, shared: bool):
     """-> (engine arguments, scratch dir or None, the proxy check's record or None). Shared: extract's
     engine for this target, with room for the longest prompt and answer regenerate makes and for
     prepare's longest sample; else the same arguments without the hidden-states method."""
-    import torch
-
     from eyas.capture import check_layer_ids, default_layer_ids
-    from eyas.extract import Setup, vllm_proxy
+    from eyas.extract import Setup, store_dtype, vllm_proxy
     from eyas.extract.vllm_backend import engine_kwargs, make_vllm_backend, scratch_dir
     from eyas.target import load_hf_config, resolve_dtype
 
@@ -174,7 +172,7 @@ def engine_for(cfg: EyasConfig, cpu: bool, shared: bool):
     out = cfg.stage_dir("extract")
     proxy = None
     if shared and vllm_proxy.wanted(ec):  # before the target's own load, as extract would
-        stored = dtype if ec.store_dtype == "auto" else getattr(torch, ec.store_dtype)
+        stored = store_dtype(ec.store_dtype, dtype)
         setup = Setup(out, None, layer_ids, num_layers, int(conf.hidden_size), dtype, stored, {}, [], [], [])
         proxy = vllm_proxy.check_proxy(cfg, setup, make_vllm_backend)
     scratch = scratch_dir(cfg, out) if shared else None

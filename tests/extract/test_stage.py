@@ -71,6 +71,44 @@ def test_extract_smollm2(tmp_path, prep, smollm2_dir):
     check_against_capture(hs, smollm2_dir, [2], tol=0.01)  # bf16 rounding
 
 
+def test_float8_store_is_within_e4m3_rounding_of_float32_at_a_quarter_of_its_bytes(tmp_path, prep, tiny_dirs):
+    """The same samples stored as float32 and as float8 (e4m3, float32 scales per token for aux and
+    final). Bound: |x8 - x32| <= max(2^-4 |x32|, 2^-10 scale), scale = the token's amax / 448
+    (eyas/fp8.py: 3 mantissa bits, subnormals below 2^-6 scale). Bytes per token, by hand, for 3 aux
+    layers + final at D=64: float32 4 x 64 x 4 + 5 = 1029; bfloat16 517; float8 4 x 64 + 8 + 5 = 269."""
+    import struct
+
+    model = tiny_dirs("llama")
+    args = ("--extract.max_samples=12", "--extract.shard_bytes=20000")
+    assert run_extract(tmp_path / "f32", prep, model, *args) == 0
+    assert run_extract(tmp_path / "f8", prep, model, "--extract.store_dtype=float8", *args) == 0
+    ref, hs = HiddenStates(tmp_path / "f32" / "extract"), HiddenStates(tmp_path / "f8" / "extract")
+    assert hs.meta["dtype"] == "float8_e4m3fn" and hs.dtype == torch.float32 and len(hs.shards) > 1
+    for i in range(len(ref)):
+        a, b = ref[i], hs[i]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        for key in ("aux", "final"):
+            x = a[key].double()
+            scale = x.abs().flatten(1).amax(1).view(-1, *[1] * (x.dim() - 1)) / 448
+            assert b[key].dtype == torch.float32 and b[key].shape == x.shape
+            bound = torch.maximum(x.abs() / 16, scale / 1024) * (1 + 1e-6)
+            assert bool(((b[key].double() - x).abs() <= bound).all()), (i, key)
+            assert not torch.equal(b[key], a[key])  # rounded: not float32 states under a float8 name
+    tokens = hs.meta["counts"]["tokens"]
+    for run, per_token in ((ref, 1029), (hs, 269)):
+        headers = sum(8 + struct.unpack("<Q", (run.dir / n).read_bytes()[:8])[0] for n in run.shards)
+        assert run.meta["counts"]["bytes"] - headers == tokens * per_token
+    hs.verify()  # checksums as for any dtype; resume: a lost shard is extracted again, bit for bit
+    before = hs[5]
+    (hs.dir / hs.shards[hs._shard[5]]).unlink()
+    assert run_extract(tmp_path / "f8", prep, model, "--extract.store_dtype=float8", *args) == 0
+    again = HiddenStates(tmp_path / "f8" / "extract")
+    again.verify()
+    assert torch.equal(again[5]["aux"], before["aux"]) and torch.equal(again[5]["final"], before["final"])
+    with pytest.raises(ConfigError, match="store_dtype"):  # never mixed with other dtypes in one directory
+        run_extract(tmp_path / "f8", prep, model, "--extract.store_dtype=bfloat16", "--extract.max_samples=13")
+
+
 def test_device_map_auto_places_with_accelerate(tmp_path, prep, tiny_dirs):
     pytest.importorskip("accelerate")
     assert run_extract(tmp_path, prep, tiny_dirs("llama"), "--extract.device_map=auto", "--extract.max_samples=4") == 0
@@ -151,11 +189,11 @@ def test_disk_error_in_one_writer_thread_stops_the_run_and_resume_completes(tmp_
     model = tiny_dirs("llama")
     real, calls = store.ShardWriter.write_states, []
 
-    def flaky(self, states_TKD):
+    def flaky(self, states_TKD, scales_T2=None):
         calls.append(self.path.name)
         if len(calls) == 4:
             raise OSError(28, "No space left on device")
-        real(self, states_TKD)
+        real(self, states_TKD, scales_T2)
 
     monkeypatch.setattr(store.ShardWriter, "write_states", flaky)
     args = ("--extract.token_budget=128", "--extract.shard_bytes=1")  # one batch per shard

@@ -146,6 +146,23 @@ def test_offline_from_extract_shards_equals_online(tmp_path, smol_prep, tiny_tar
     assert losses["offline"] == pytest.approx(losses["online"], rel=1e-5)
 
 
+def test_offline_from_float8_shards_trains_near_online(tmp_path, smol_prep, tiny_target):
+    """float8 shards (e4m3 + per-token scales) read back through HiddenStates as float32: two
+    offline steps land near the online run's losses (states within ~2^-4 relative, not equal)."""
+    from eyas.extract import main as extract
+
+    extract(train_config(tmp_path, f"--prepare.out_dir={smol_prep}", f"--target.model={tiny_target}",
+                         "--extract.progress=false", "--extract.store_dtype=float8"))
+    losses = {}
+    for mode in ("offline", "online"):
+        cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, f"--train.mode={mode}", f"--train.out_dir={tmp_path / mode}",
+                       "--train.max_steps=2", "--train.max_tokens=256")
+        run(cfg)
+        losses[mode] = [r["loss"] for r in read_metrics(tmp_path / mode)]
+    assert len(losses["offline"]) == 2
+    assert losses["offline"] == pytest.approx(losses["online"], rel=1e-3) and losses["offline"] != losses["online"]
+
+
 def test_offline_from_spilled_shards_equals_online(tmp_path, smol_prep, tiny_target, shm_dir, monkeypatch):
     """Shards split over a tmpfs output directory and a spill directory on the disk
     (extract.spill_dirs): the trainer's checksum pass and reads find both kinds, and two offline
