@@ -84,6 +84,10 @@ def check_stream(cfg, layer_ids: list[int], hidden: int, world: int, model_type:
                           "(`pip install mooncake-transfer-engine`, or -non-cuda on CPU; it links libibverbs: "
                           "`apt install libibverbs1`, or scripts/vllm-venv.sh)") from e
     sc, tc = cfg.train.stream, cfg.train
+    if cfg.extract.store_dtype == "float8":
+        raise ConfigError("extract.store_dtype=float8 is how extract stores states on disk; train.mode=stream keeps "
+                          "them in memory and trains on the engine's own dtype: leave extract.store_dtype at auto "
+                          "(or a float dtype to cast to)")
     cpu = vllm_engine.on_cpu("train.mode=stream")
     from eyas.extract.vllm_backend import check_supported
 
