@@ -130,7 +130,13 @@ def check_against_stages(
         notes.append(check_prepare(c, d2t, t2d, prepare_dir, (inputs.get("prepare") or {}).get("meta_sha256")))
     else:
         notes.append(f"no prepare output at {prepare_dir}: vocabulary not cross-checked")
-    if extract_dir is None:
+    streamed = (inputs.get("stream") or {}).get("layer_ids")
+    if extract_dir is None and streamed is not None:  # the engines captured the layers train recorded
+        if list(streamed) != list(c.aux_layer_ids):
+            raise ArtifactError(f"the draft reads aux layers {list(c.aux_layer_ids)}, its training streamed layers "
+                                f"{list(streamed)} (train meta.json inputs.stream): export the draft that run trained")
+        notes.append(f"trained on streamed states of layers {list(streamed)}: aux layer ids match")
+    elif extract_dir is None:
         notes.append("trained online (no extract stage): aux layer ids not cross-checked with an extract output")
     elif (extract_dir / "meta.json").is_file():
         num_layers = getattr(target_config, "num_hidden_layers", None)
@@ -181,8 +187,8 @@ def main(cfg) -> int:
     c = model.config
     tcfg = load_config(cfg.target)
     prepare_dir = stage_dir_for(e.prepare_dir, train_meta, "prepare", cfg)
-    online = (((train_meta or {}).get("config") or {}).get("train") or {}).get("mode") == "online"
-    # a draft trained online read no extract output: one left in RUN_DIR by an earlier run is not its data
+    online = (((train_meta or {}).get("config") or {}).get("train") or {}).get("mode") in ("online", "stream")
+    # a draft trained online or streamed read no extract output: one left in RUN_DIR by an earlier run is not its data
     extract_dir = None if online and not e.extract_dir else stage_dir_for(e.extract_dir, train_meta, "extract", cfg)
     notes = check_against_stages(c, model.d2t, model.t2d, train_meta, prepare_dir, extract_dir, tcfg, cfg.target.model)
     averaged = average_with(model, e.average_with)

@@ -261,3 +261,14 @@ def test_export_removes_and_overwrites_only_the_files_its_records_say_it_wrote(t
     ledger.write_text(json.dumps([*json.loads(ledger.read_text()), "speculators/../../outside.txt"]))
     assert export_to(mine, "--format", "sglang")[0] == 0
     assert (tmp_path / "outside.txt").read_text() == "not export's"  # only its layouts' own file names are removed
+
+
+def test_a_streamed_draft_is_checked_against_the_layers_its_training_streamed(tcfg, prepared):
+    """train.mode=stream has no extract output: export checks the aux layers train recorded as streamed."""
+    d = prepared_draft(tcfg, prepared)
+    streamed = {"inputs": {"stream": {"layer_ids": list(AUX), "engines": 1}}}
+    notes = check_against_stages(d.config, d.d2t, d.t2d, streamed, prepared, None, tcfg)
+    assert any(f"streamed states of layers {list(AUX)}: aux layer ids match" in n for n in notes)
+    other = {"inputs": {"stream": {"layer_ids": [3, 15, 27], "engines": 1}}}
+    with pytest.raises(ArtifactError, match=r"reads aux layers \[2, 15, 27\], its training streamed layers \[3, 15, 27\]"):
+        check_against_stages(d.config, d.d2t, d.t2d, other, prepared, None, tcfg)
