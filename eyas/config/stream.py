@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from eyas.config.base import require
 
@@ -15,6 +15,11 @@ class StreamConfig:
     engines: int = 1
     """vLLM engines (data parallel), each a Ray actor holding extract.vllm_tensor_parallel_size x
     extract.vllm_pipeline_parallel_size GPUs of one node."""
+    engine_urls: list[str] = field(default_factory=list)
+    """Running vLLM servers to use as the engines instead of starting them (http://HOST:PORT each):
+    started with the extract_hidden_states method and hs-connectors' Mooncake connector on
+    train.stream.master (which must then be given); eyas prints the `vllm serve` arguments it would
+    use. train.stream.engines is then their number."""
     ray_address: str = ""
     """The Ray cluster to place engines on (`ray start --head` on one node, `ray start
     --address=HEAD:6379` on the others, then this = HEAD:6379 or `auto`); empty = a local cluster on
@@ -65,4 +70,6 @@ class StreamConfig:
         require(self.parity >= 0, f"train.stream.parity={self.parity} must be >= 0 (0 = off)")
         require(self.max_attempts >= 1, f"train.stream.max_attempts={self.max_attempts} must be >= 1")
         require(self.engine_restarts >= 0, f"train.stream.engine_restarts={self.engine_restarts} must be >= 0")
+        require(not self.engine_urls or bool(self.master),
+                "train.stream.engine_urls needs train.stream.master: the servers put into that master's store")
         require(self.protocol in ("tcp", "rdma"), f"train.stream.protocol={self.protocol!r}: choose tcp or rdma")

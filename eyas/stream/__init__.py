@@ -94,7 +94,8 @@ def check_stream(cfg, layer_ids: list[int], hidden: int, world: int, model_type:
     check_supported(cfg.extract, model_type, layer_ids, cpu)  # what vLLM cannot capture, as for extract
     compute = resolve_dtype_name(cfg.target.dtype, cpu)
     per_token = (len(layer_ids) + 1) * hidden * torch.empty((), dtype=compute).element_size() + 8
-    window = int(sc.window_gb * 1e9) if sc.window_gb else int(0.8 * sc.store_gb * 1e9 * sc.engines / world)
+    engines = len(sc.engine_urls) or sc.engines
+    window = int(sc.window_gb * 1e9) if sc.window_gb else int(0.8 * sc.store_gb * 1e9 * engines / world)
     need = 2 * tc.grad_accum * tc.max_tokens * per_token  # the window in training and the next one
     if window < need:
         raise ConfigError(f"train.stream.window_gb={window / 1e9:.3g} GB per rank holds less than two optimizer steps' "
@@ -161,14 +162,20 @@ def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
         ray.init(address=info["gcs"], namespace=info["namespace"], log_to_driver=False)
     base = vllm_backend.engine_kwargs(cfg, data.layer_ids, num_layers, longest + 1, compute, Path("/nonexistent"),
                                       cpu=cpu, hf_config=hf)
-    names = [f"engine-{k}" for k in range(sc.engines)]
+    served = list(sc.engine_urls)
+    names = [f"served-{k}" for k in range(len(served))] if served else [f"engine-{k}" for k in range(sc.engines)]
     handles: list = []
     if rank == 0:
         store = store_config(info["master"], int(sc.store_gb * 1e9), host=sc.host, protocol=sc.protocol,
                              device=sc.device)
         kw = eng.engine_kwargs(base, store, cpu)
-        handles = eng.start_engines(kw, names, info["namespace"], sc, cpu, int(kw["tensor_parallel_size"]) *
-                                    int(kw["pipeline_parallel_size"]))
+        if served:  # the user's servers: what they must run with, then a client actor per URL
+            print(f"[eyas:train] stream: engines given by URL ({', '.join(served)}); each must run as\n  "
+                  f"{eng.served_command(kw)}", flush=True)
+            handles = eng.start_served(served, names, info["namespace"])
+        else:
+            handles = eng.start_engines(kw, names, info["namespace"], sc, cpu, int(kw["tensor_parallel_size"]) *
+                                        int(kw["pipeline_parallel_size"]))
     info = rank0_object(info)  # every rank waits here until the engines are up
     if rank != 0:
         handles = [ray.get_actor(n, namespace=info["namespace"]) for n in names]

