@@ -4,7 +4,7 @@ faults of a long run: the trainer killed (kill -9), the engine killed or stopped
 store's master killed, a store too small for the window it is told to use.
 
 Every cell runs in the vLLM venv (tests/vllm_serving.py: scripts/vllm-venv.sh, or EYAS_VLLM_VENV),
-on a random-weight Llama (hidden 512: a put of a few steps' states fills a 20 MB store) with
+on a random-weight Llama (hidden 512: 8 KB of states a token; the 8 steps' ~18 MB overfill a 5 MB store) with
 SmolLM2's tokenizer, in fp32 (bit-reproducible on CPU), 8 steps with a checkpoint every 2. Each is
 judged against ONE uninterrupted run of the same command, made once (`reference`): a cell holds
 when the same command, run again after the fault as a user would, completes with the final draft
@@ -36,8 +36,8 @@ COMMON = ("--target.dtype=float32", "--prepare.max_length=128", "--prepare.draft
           "--train.max_tokens=512", f"--train.max_steps={STEPS}", f"--train.save_every={SAVE_EVERY}",
           "--train.eval_fraction=0", "--train.log_every=2", "--seed=3", "--stop_after=train", "--train.mode=stream",
           "--train.stream.store_gb=0.5", "--train.stream.window_gb=0.012", "--train.stream.request_tokens=512")
-FULL_STORE = ("--train.stream.store_gb=0.02", "--train.stream.window_gb=1", "--train.stream.fetch_timeout_s=10",
-              "--train.stream.request_tokens=16384")  # one call for every sample: ~34 MB of states into 20 MB
+FULL_STORE = ("--train.stream.store_gb=0.005", "--train.stream.window_gb=1", "--train.stream.fetch_timeout_s=10",
+              "--train.stream.request_tokens=16384")  # one call for every sample: ~18 MB of states into 5 MB
 
 
 # ---------------------------------------------------------------- processes
@@ -415,7 +415,7 @@ def master_kill9(m, work: Path, rng) -> tuple[bool, str]:
 
 
 def full_store(m, work: Path, rng) -> tuple[bool, str]:
-    """A store far smaller than the window eyas is told to use (store_gb=0.02, window_gb=1): the
+    """A store far smaller than the window eyas is told to use (store_gb=0.005, window_gb=1): the
     engine's puts fail (Mooncake -200: the master's eviction is off). Held: the run completes
     bit-identical with retries, or stops naming the store and train.stream.store_gb; then the same
     command with the normal store completes bit-identical."""
@@ -423,14 +423,14 @@ def full_store(m, work: Path, rng) -> tuple[bool, str]:
     t0 = time.monotonic()
     rc, out = _complete(m, run, work / "full.log", *FULL_STORE)
     seconds = time.monotonic() - t0
-    failed_puts = out.count("status=-200") + out.count("-200")
+    failed_puts = out.count("status=-200")  # as Mooncake's errors say it, in the engine's log and eyas's
     line = _last_error(out)
     if rc == 0:
         ok, why, retried = _judge(run, ref)
-        first_ok, note = ok and retried > 0, f"store 0.02 GB, window 1 GB: exit 0 in {seconds:.0f} s, {why}"
+        first_ok, note = ok and retried > 0 and failed_puts > 0, f"store 0.005 GB, window 1 GB: exit 0 in {seconds:.0f} s, {why}"
     else:
         first_ok = "train.stream.store_gb" in line and "store" in line
-        note = f"store 0.02 GB, window 1 GB: exit {rc} in {seconds:.0f} s: {line}"
+        note = f"store 0.005 GB, window 1 GB: exit {rc} in {seconds:.0f} s: {line}"
     same, again = _rerun(m, run, work, ref)
     return first_ok and same, f"{note} ({failed_puts} mentions of -200 in its output); {again}"
 
