@@ -70,7 +70,7 @@ class Cell:
 class Case:
     """A case cell: `check(matrix, work, rng)` sets up its situation under `work` (a finished run to
     start from: `matrix.finished_run(work)`), runs eyas and judges what it did -> (held, what
-    happened). `family` (data_loss | provenance | server | input | large_target) is its fault."""
+    happened). `family` (data_loss | provenance | server | input | large_target | stream) is its fault."""
 
     family: str
     label: str

@@ -5,6 +5,8 @@ from dataclasses import dataclass, field
 
 from eyas.config.base import require
 
+MOONCAKE_MIN_SEGMENT = 16 << 20  # Mooncake's store refuses a smaller segment (setup status -600)
+
 
 @dataclass
 class StreamConfig:
@@ -36,7 +38,8 @@ class StreamConfig:
     device: str = ""
     """Mooncake's RDMA device(s), e.g. mlx5_0 (empty: Mooncake chooses)."""
     store_gb: float = 4.0
-    """Memory each engine adds to Mooncake's store, GB (host memory of the engine's node)."""
+    """Memory each engine adds to Mooncake's store, GB (host memory of the engine's node); at least
+    0.0168 (16 MiB, the smallest segment Mooncake takes)."""
     window_gb: float = 0.0
     """Hidden states each trainer rank may have on their way (asked for, in the store, or fetched and
     not yet trained), GB; 0 = 80% of the store divided among the ranks. An engine is handed a sample
@@ -65,6 +68,10 @@ class StreamConfig:
             require(math.isfinite(v) and v >= 0, f"train.stream.{name}={v} must be a finite number >= 0")
         require(self.engines >= 1, f"train.stream.engines={self.engines} must be >= 1")
         require(self.store_gb > 0, f"train.stream.store_gb={self.store_gb} must be > 0")
+        require(self.store_gb * 1e9 >= MOONCAKE_MIN_SEGMENT,
+                f"train.stream.store_gb={self.store_gb} is below the smallest store Mooncake takes "
+                f"({MOONCAKE_MIN_SEGMENT / 1e9:.4g} GB = 16 MiB per engine; a smaller one stops the engine at its first "
+                "put): raise it")
         require(self.request_tokens >= 1, f"train.stream.request_tokens={self.request_tokens} must be >= 1")
         require(self.fetch_timeout_s > 0, f"train.stream.fetch_timeout_s={self.fetch_timeout_s} must be > 0")
         require(self.parity >= 0, f"train.stream.parity={self.parity} must be >= 0 (0 = off)")

@@ -30,6 +30,7 @@ import torch
 from eyas.errors import ConfigError, EyasError, exception_message  # noqa: F401
 
 NAMESPACE_PREFIX = "eyas-stream"
+ANSWER_S = 5  # a live engine answers ready() within milliseconds, even while it prefills
 LOCAL_OBJECT_STORE = 512 << 20  # Ray's object store carries only token ids and manifests; the states go through Mooncake
 
 
@@ -48,7 +49,9 @@ class Session:
         self.states.close()
         if self.engines:
             for e in self.engines:
-                try:
+                try:  # one that does not answer at once (stopped, hung: what may have stopped the run) is
+                    # killed, not waited on for a minute
+                    ray.get(e.ready.remote(), timeout=ANSWER_S)
                     ray.get(e.shutdown.remote(), timeout=60)
                 except Exception as err:  # an engine already gone: nothing to shut down
                     print(f"[eyas:train] stream: an engine did not shut down cleanly ({type(err).__name__}: "

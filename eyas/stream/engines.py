@@ -38,12 +38,22 @@ def engine_kwargs(base: dict[str, Any], store: dict[str, Any], cpu: bool) -> dic
 # Watches the actor (argv[1]) from outside it and kills the actor's process group once the actor is
 # gone: vLLM's EngineCore and workers are the actor's children, in its process group, and a vLLM
 # still loading when its actor dies (the trainer killed, Ray's cluster stopped) outlives it otherwise,
-# holding its memory and GPUs.
+# holding its memory and GPUs. It forks away from the actor first: Ray kills a dead worker's direct
+# children (the watchdog among them, and EngineCore) but not theirs, so vLLM's workers were left.
+# The actor is followed by its start time in /proc (a reused pid is not the actor).
 WATCHDOG = (
     "import os, signal, sys, time\n"
     "actor = int(sys.argv[1]); group = os.getpgid(actor)\n"
-    "while os.getppid() == actor: time.sleep(0.5)\n"
-    "os.killpg(group, signal.SIGKILL)\n"
+    "if os.fork(): os._exit(0)\n"
+    "def born():\n"
+    "    try:\n"
+    "        with open(f'/proc/{actor}/stat') as f: fields = f.read().rsplit(')', 1)[1].split()\n"
+    "    except OSError: return None\n"
+    "    return None if fields[0] == 'Z' else fields[19]\n"
+    "first = born()\n"
+    "while first is not None and born() == first: time.sleep(0.5)\n"
+    "try: os.killpg(group, signal.SIGKILL)\n"
+    "except ProcessLookupError: pass\n"
 )
 
 
@@ -54,8 +64,8 @@ def reap_with_me() -> None:
 
     if os.getpgid(0) != os.getpid():  # a group of its own, so that the watchdog kills only the engine's processes
         os.setpgid(0, 0)
-    subprocess.Popen([sys.executable, "-c", WATCHDOG, str(os.getpid())], start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-c", WATCHDOG, str(os.getpid())], start_new_session=True, check=True,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # returns once forked
 
 
 class Engine:

@@ -24,6 +24,7 @@ Shapes: S tokens of a sample, K aux layers, D hidden size.
 from __future__ import annotations
 
 import collections
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -453,8 +454,7 @@ class StreamStates:
         print(f"[eyas:train] stream: sample {self.prep.ids[i]!r} (request {rid}) asked for again: {why}", flush=True)
         if led.entries[i].attempt >= self.sc.max_attempts:
             self.fatal = self.fatal or StreamError(
-                f"sample {self.prep.ids[i]!r} (prepare index {i}) failed {led.entries[i].attempt} times "
-                f"(train.stream.max_attempts={self.sc.max_attempts}): " + " | ".join(self.errors[(epoch, i)][-3:]))
+                gave_up(self.prep.ids[i], i, led.entries[i].attempt, self.errors[(epoch, i)], self.sc, self.window))
             self.lock.notify_all()  # the trainer waiting for this sample raises now, not at its next poll
             return
         self.queue.appendleft((epoch, i))
@@ -503,6 +503,19 @@ class StreamStates:
         except Exception:  # an engine restarting: no figure for this span
             return None
         return sum(b["tokens"] / b["busy_s"] for b in now if b["busy_s"] > 0)
+
+
+def gave_up(sample_id: str, index: int, attempts: int, errors: list[str], sc, window: int) -> str:
+    """Why the run stops on a sample past train.stream.max_attempts: its last errors, and when the
+    store refused the engine's puts for want of room (Mooncake status -200: the master's eviction
+    is off), that the store is full and which flag to change."""
+    text = (f"sample {sample_id!r} (prepare index {index}) failed {attempts} times "
+            f"(train.stream.max_attempts={sc.max_attempts}): " + " | ".join(errors[-3:]))
+    if any(re.search(r"status=-200\b", e) for e in errors):
+        text += (f". Mooncake's store is full (status -200: no room for the engine's put; its master evicts "
+                 f"nothing): raise train.stream.store_gb (now {sc.store_gb:g} GB per engine) or lower "
+                 f"train.stream.window_gb (now {window / 1e9:.3g} GB per rank) below the store's size")
+    return text
 
 
 def _merge(saved: list[dict[str, Any]]) -> dict[tuple[int, int], tuple[str, int]]:

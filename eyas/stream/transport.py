@@ -165,11 +165,24 @@ class Transport:
             raise TransportError(f"object {key} did not reach the store within {timeout_s:g} s "
                                  "(train.stream_fetch_timeout_s)") from e
         except Exception as e:  # hs-connectors' MooncakeIntegrityError and Mooncake status errors
-            raise TransportError(f"object {key}: {type(e).__name__}: {e}") from e
+            raise TransportError(f"object {key}: {type(e).__name__}: {e}{self._unreachable(e)}") from e
 
     def discard(self, key: str) -> None:
-        """Remove a sample's object and its error marker (absent ones are fine)."""
-        self.store.delete_sample(key)
+        """Remove a sample's object and its error marker (absent ones are fine); TransportError when
+        the store does not answer."""
+        try:
+            self.store.delete_sample(key)
+        except Exception as e:  # Mooncake status errors: the master gone (-900), ...
+            raise TransportError(f"object {key} could not be removed from Mooncake's store: {type(e).__name__}: "
+                                 f"{e}{self._unreachable(e)}") from e
+
+    def _unreachable(self, e: BaseException) -> str:
+        """What a Mooncake RPC failure (status -900) means and what to do; "" for other errors."""
+        if "status=-900" not in str(e):
+            return ""
+        return (f" (status -900: Mooncake's master at {self.config['master_server_address']} did not answer; "
+                "mooncake_master stopped? Every state in the store is lost: start it again if it is yours "
+                "(train.stream.master) and run the same command to resume from the last checkpoint)")
 
     def exists(self, key: str) -> bool:
         return self.store._require_store().is_exist(key) == 1

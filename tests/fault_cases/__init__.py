@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import importlib
 
-FAMILIES = ("data_loss", "provenance", "server", "input", "large_target")
+FAMILIES = ("data_loss", "provenance", "server", "input", "large_target", "stream")
 
 
 def all_cases() -> list:

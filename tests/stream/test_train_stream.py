@@ -143,10 +143,10 @@ def test_a_window_too_small_for_two_steps_stops_before_any_stage(tmp_path, smoll
     chats = write_sharegpt_chats(tmp_path / "chats.jsonl", 4)
     log = tmp_path / "small.log"
     rc = eyas_vllm(["run", f"--run_dir={tmp_path / 'run'}", f"--prepare.data={chats}", f"--target.model={smollm2_dir}",
-                    "--train.mode=stream", "--train.stream.store_gb=0.01"], log, timeout_s=120)
+                    "--train.mode=stream", "--train.stream.store_gb=0.02"], log, timeout_s=120)
     text = log.read_text()
     assert rc == 2, text[-3000:]
-    assert "train.stream.window_gb=0.008 GB per rank holds less than two optimizer steps' states" in text
+    assert "train.stream.window_gb=0.016 GB per rank holds less than two optimizer steps' states" in text
     assert not (tmp_path / "run" / "prepare").exists()
 
 
