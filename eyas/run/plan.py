@@ -34,7 +34,8 @@ BUDGET_KEYS = {
     "prepare": ("num_workers",),
     "extract": ("allow_failures", "progress", "spill_dirs", "min_free_gb"),  # where shards go, not what they hold
     "train": ("max_seconds", "stop_by", "resume", "num_workers", "loader_timeout_s", "collapse_steps", "tensorboard",
-              "keep_checkpoints", "loss_kernel", "target_group_tokens"),
+              "keep_checkpoints", "loss_kernel", "target_group_tokens",
+              "stream"),  # where and how the states are captured and moved, not which: its flags never wipe a training
 }
 
 

@@ -18,8 +18,10 @@ cluster and the engines, and every rank connects its own store client and contro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,29 +40,33 @@ LOCAL_OBJECT_STORE = 512 << 20  # Ray's object store carries only token ids and 
 class Session:
     """What rank 0 started (and stops in `close`), and what every rank holds."""
 
-    states: Any  # StreamStates
+    states: Any  # StreamStates (None until it exists)
     engines: list = field(default_factory=list)
     master: Any = None  # transport.Master when eyas started it
     started_ray: bool = False
 
-    def close(self) -> None:
-        import ray
+    names: list = field(default_factory=list)
 
-        self.states.close()
-        if self.engines:
-            for e in self.engines:
+    def close(self) -> None:
+        ray = sys.modules.get("ray")  # not imported: nothing of Ray's was started
+        try:
+            if self.states is not None:
+                self.states.close()
+            for name, e in zip(self.names or [f"engine-{k}" for k in range(len(self.engines))], self.engines):
                 try:  # one that does not answer at once (stopped, hung: what may have stopped the run) is
                     # killed, not waited on for a minute
                     ray.get(e.ready.remote(), timeout=ANSWER_S)
                     ray.get(e.shutdown.remote(), timeout=60)
                 except Exception as err:  # an engine already gone: nothing to shut down
-                    print(f"[eyas:train] stream: an engine did not shut down cleanly ({type(err).__name__}: "
-                          f"{exception_message(err)})", flush=True)
-                ray.kill(e)
-        if ray.is_initialized():
-            ray.shutdown()
-        if self.master is not None:
-            self.master.stop()
+                    print(f"[eyas:train] stream: {name} did not shut down cleanly ({type(err).__name__}: "
+                          f"{exception_message(err)}); killed", flush=True)
+                with contextlib.suppress(Exception):
+                    ray.kill(e)
+            if ray is not None and ray.is_initialized():
+                ray.shutdown()
+        finally:
+            if self.master is not None:
+                self.master.stop()
 
 
 def check_stream(cfg, layer_ids: list[int], hidden: int, world: int, model_type: str = "") -> int:
@@ -115,7 +121,17 @@ def resolve_dtype_name(name: str, cpu: bool) -> torch.dtype:
 
 
 def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
-    """Start (rank 0) or join (other ranks) the engines and the store; -> this rank's Session."""
+    """Start (rank 0) or join (other ranks) the engines and the store; -> this rank's Session. What
+    was started before a failure (the master, Ray, engines) is stopped again."""
+    session = Session(None)
+    try:
+        return _open(cfg, data, rank, world, out, session)
+    except BaseException:
+        session.close()
+        raise
+
+
+def _open(cfg, data, rank: int, world: int, out: Path, session: Session) -> Session:
     from eyas import vllm_engine
     from eyas.distributed import rank0_object
     from eyas.extract import vllm_backend
@@ -142,8 +158,8 @@ def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
         if sc.master:
             master_address = sc.master
         else:
-            master = Master(out / "stream" / "mooncake_master.log",
-                            host=_node_address() if sc.host == "auto" else sc.host)
+            master = session.master = Master(out / "stream" / "mooncake_master.log",
+                                             host=_node_address() if sc.host == "auto" else sc.host)
             master_address = master.address
             print(f"[eyas:train] stream: mooncake_master on {master_address} (eviction off; log {master.log})", flush=True)
         if not sc.ray_address:  # Ray's token authentication: the other ranks join this run's cluster with it
@@ -175,10 +191,10 @@ def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
         if served:  # the user's servers: what they must run with, then a client actor per URL
             print(f"[eyas:train] stream: engines given by URL ({', '.join(served)}); each must run as\n  "
                   f"{eng.served_command(kw)}", flush=True)
-            handles = eng.start_served(served, names, info["namespace"])
+            handles = eng.start_served(served, names, info["namespace"], ranks=world)
         else:
             handles = eng.start_engines(kw, names, info["namespace"], sc, cpu, int(kw["tensor_parallel_size"]) *
-                                        int(kw["pipeline_parallel_size"]))
+                                        int(kw["pipeline_parallel_size"]), ranks=world, started=session.engines)
     info = rank0_object(info)  # every rank waits here until the engines are up
     if rank != 0:
         handles = [ray.get_actor(n, namespace=info["namespace"]) for n in names]
@@ -199,7 +215,10 @@ def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
     if rank == 0:
         print(f"[eyas:train] stream: {len(handles)} engine(s) ready; window {window / 1e9:.2f} GB per rank "
               f"({bytes_per_token} bytes per token)", flush=True)
-    return Session(states, handles if rank == 0 else [], master, bool(info.get("started_ray")) and rank == 0)
+    session.states, session.names = states, names if rank == 0 else []
+    session.engines = handles if rank == 0 else []
+    session.started_ray = bool(info.get("started_ray")) and rank == 0
+    return session
 
 
 def _node_address() -> str:
@@ -212,6 +231,34 @@ def _node_address() -> str:
         return s.getsockname()[0]
 
 
+@contextlib.contextmanager
+def engine_gpus():
+    """A local cluster on a GPU node sees only the GPUs the trainer ranks of this node do not use (the
+    ranks take the first LOCAL_WORLD_SIZE visible ones): Ray starts with CUDA_VISIBLE_DEVICES set to
+    the rest, and places the engines there. ConfigError when none is left."""
+    import torch
+
+    if not torch.cuda.is_available():
+        yield
+        return
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = before.split(",") if before else [str(i) for i in range(torch.cuda.device_count())]
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    free = ids[ranks:]
+    if not free:
+        raise ConfigError(f"train.mode=stream on one node: the {ranks} trainer rank(s) take all {len(ids)} GPUs and none "
+                          "is left for the engines; run fewer ranks (torchrun --nproc-per-node) or put the engines "
+                          "on other nodes (--train.stream.ray_address, recipes/deepseek-v3-stream.yaml)")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(free)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def _init_ray(sc) -> bool:
     """Connect to train.stream.ray_address, or start a local cluster; -> whether eyas started it."""
     import ray
@@ -222,7 +269,9 @@ def _init_ray(sc) -> bool:
             return False
         # address="local": always a new cluster of this run's own, never one a RAY_ADDRESS or an earlier
         # `ray start` left as the default (it dies with this process, even killed with SIGKILL)
-        ray.init(address="local", include_dashboard=False, log_to_driver=True, object_store_memory=LOCAL_OBJECT_STORE)
+        with engine_gpus():
+            ray.init(address="local", include_dashboard=False, log_to_driver=True,
+                     object_store_memory=LOCAL_OBJECT_STORE)
         return True
     except Exception as e:
         where = f"train.stream.ray_address={sc.ray_address!r}" if sc.ray_address else "a local Ray cluster"

@@ -21,6 +21,7 @@ from typing import Any
 
 from eyas.errors import exception_message
 
+CALLS_PER_RANK = 2  # eyas.stream.source.DEPTH: extract calls a trainer rank keeps waiting per engine
 CPU_CONNECTOR = ("eyas.stream.vllm_connector", "CPUMooncakeHiddenStatesConnector")
 STOCK_CONNECTOR = ("hs_connectors.mooncake_hidden_states_connector", "MooncakeHiddenStatesConnector")
 
@@ -103,7 +104,14 @@ class Engine:
         """Prefill every (request id, token ids); -> per request {rid, manifest} (kv_transfer_params),
         or {rid, error} when vLLM refused the prompt or finished it otherwise than after its one token."""
         with self.lock:
-            return self._extract(requests)
+            try:
+                return self._extract(requests)
+            except Exception as e:
+                if type(e).__name__ == "EngineDeadError":  # vLLM's EngineCore is gone while this actor lives:
+                    print(f"[eyas:stream] {self.name}: vLLM's engine died ({exception_message(e)}); exiting so that "
+                          "Ray restarts this engine", flush=True)
+                    os._exit(1)  # die, so that Ray restarts the actor (and the watchdog reaps vLLM's processes)
+                raise
 
     def _extract(self, requests: list[tuple[str, list[int]]]) -> list[dict[str, Any]]:
         from vllm.inputs import TokensPrompt
@@ -150,7 +158,8 @@ class Engine:
             shutdown(llm)
 
 
-def start_engines(kwargs: dict[str, Any], names: list[str], namespace: str, sc, cpu: bool, gpus: int) -> list:
+def start_engines(kwargs: dict[str, Any], names: list[str], namespace: str, sc, cpu: bool, gpus: int,
+                  ranks: int = 1, started: list | None = None) -> list:
     """One named Ray actor per engine, each restarted by Ray up to train.stream.engine_restarts times
     (eyas re-sends the samples a dead engine held; Ray retries no call itself). On GPUs each engine
     is placed in a placement group of one bundle of `gpus` GPUs (TP x PP, one node: vLLM's own
@@ -165,7 +174,9 @@ def start_engines(kwargs: dict[str, Any], names: list[str], namespace: str, sc, 
     handles = []
     for name in names:
         options: dict[str, Any] = {"name": name, "namespace": namespace, "max_restarts": sc.engine_restarts,
-                                   "max_task_retries": 0, "max_concurrency": 4}  # ready(), stats() answer while extract() runs
+                                   # every rank keeps DEPTH calls waiting, each a thread on the engine's lock;
+                                   # two more so that ready() and stats() answer while they wait
+                                   "max_task_retries": 0, "max_concurrency": CALLS_PER_RANK * ranks + 2}
         if cpu:
             options["num_cpus"] = 0
             binding = check_cpu_workers(gpus, "extract")
@@ -179,6 +190,8 @@ def start_engines(kwargs: dict[str, Any], names: list[str], namespace: str, sc, 
             options.update(num_gpus=gpus, num_cpus=1,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0))
         handles.append(ray.remote(Engine).options(**options).remote(kwargs, name, env))
+        if started is not None:  # the caller stops them should a later one fail to start
+            started.append(handles[-1])
     t0 = time.perf_counter()
     for name, h in zip(names, handles):
         try:
@@ -284,11 +297,12 @@ def served_command(kwargs: dict[str, Any]) -> str:
     return " ".join(args)
 
 
-def start_served(urls: list[str], names: list[str], namespace: str, model: str = "") -> list:
+def start_served(urls: list[str], names: list[str], namespace: str, model: str = "", ranks: int = 1) -> list:
     """A ServedEngine actor per URL (no CPU slot: it waits on HTTP), once each server answers."""
     import ray
 
-    handles = [ray.remote(ServedEngine).options(name=n, namespace=namespace, num_cpus=0, max_concurrency=4)
+    handles = [ray.remote(ServedEngine).options(name=n, namespace=namespace, num_cpus=0,
+                                                max_concurrency=CALLS_PER_RANK * ranks + 2)
                .remote(u, n, model) for u, n in zip(urls, names)]
     from eyas.errors import EyasError
 

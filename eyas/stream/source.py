@@ -79,10 +79,11 @@ class StreamStates:
         self.max_tokens, self.bytes_per_token, self.window = max_tokens, bytes_per_token, window_bytes
         self.rank, self.world = rank, world
         self.reference = reference  # () -> a backend with .references() (transformers on CPU), for parity
-        self.parity: dict[str, list[float]] = collections.defaultdict(list)  # engine -> checked samples' errors
+        self.parity: dict[str, list[float]] = {}  # engine -> the checked samples' errors
         self.parity_lock = threading.Lock()  # one check at a time (one reference model, loaded at the first)
         self._ref = None
         self.saved = _merge(saved or [])  # (epoch, sample) -> (state, attempt) from a checkpoint
+        self.ledgered = True  # False: resumed from a checkpoint written without ledgers
         self.index = {sid: i for i, sid in enumerate(prep.ids)}
         self.lengths = prep.lengths.tolist()  # once: `prep.lengths` recomputes every sample's length
         self.ledgers: dict[int, Ledger] = {}
@@ -100,6 +101,7 @@ class StreamStates:
         self.lock = threading.Condition()
         self.stop = False
         self.fetchers = ThreadPoolExecutor(FETCHERS, thread_name_prefix="eyas-stream-fetch")
+        self.waiting: set[tuple[int, int]] = set()  # the samples the trainer waits for now
         self.thread = threading.Thread(target=self._run, name="eyas-stream-controller", daemon=True)
         self.thread.start()
 
@@ -113,7 +115,8 @@ class StreamStates:
                 led = Ledger(epoch, dealt)
                 for k, p in enumerate(plans):
                     for i in p:
-                        state, attempt = self.saved.get((epoch, i), ("queued", 0))
+                        # a checkpoint of offline or online training has no ledger: its steps are what it trained
+                        state, attempt = self.saved.get((epoch, i), ("queued" if self.ledgered else "trained", 0))
                         led.entries[i].attempt = attempt
                         if k < first and state != "trained":
                             raise StreamError(f"resuming epoch {epoch} at micro-batch {first}: sample "
@@ -123,7 +126,7 @@ class StreamStates:
                                               "(train.max_tokens, seed, the number of ranks or the held-out split "
                                               "changed): resume with that run's settings, or start a fresh "
                                               "--train.out_dir")
-                        if k >= first and state == "trained":
+                        if k >= first and state == "trained" and self.ledgered:
                             raise StreamError(f"resuming epoch {epoch} at micro-batch {first}: sample "
                                               f"{self.prep.ids[i]!r} was trained already after the checkpoint's ledger; "
                                               "training it again would train it twice. The data order differs from "
@@ -139,9 +142,11 @@ class StreamStates:
                 self.queue.extend((epoch, i) for i in p)
             self.lock.notify_all()
 
-    def resume(self, saved: list[dict[str, Any]]) -> None:
-        """The ledgers of the checkpoint resumed from (every rank's, `state_dict`), before `expect`."""
-        self.saved = _merge(saved)
+    def resume(self, saved: list[dict[str, Any]] | None) -> None:
+        """The ledgers of the checkpoint resumed from (every rank's, `state_dict`), before `expect`; None:
+        a checkpoint without ledgers (offline or online training), whose steps say what it trained."""
+        self.saved = _merge(saved or [])
+        self.ledgered = saved is not None
 
     def evaluating(self, loader_fn, plans: list[list[int]]):
         """`loader_fn` (the held-out batches of `plans`) whose samples are asked of the engines first,
@@ -167,6 +172,8 @@ class StreamStates:
             if got != list(batch.sample_ids):
                 raise StreamError(f"the batch holds samples {list(batch.sample_ids)[:4]}, the stream planned {got[:4]}")
             keys = [(epoch, i) for i in samples]
+            self.waiting = set(keys)  # urgent for the controller, whatever the window (see _dispatch)
+            self.lock.notify_all()
             deadline = t0 + self.sc.wait_timeout_s if self.sc.wait_timeout_s else None
             while not all(k in self.ready for k in keys):
                 if self.fatal is not None:
@@ -175,6 +182,7 @@ class StreamStates:
                 if left is not None and left <= 0:
                     raise StreamError(self._stalled(keys))
                 self.lock.wait(timeout=1.0 if left is None else min(left, 1.0))
+            self.waiting = set()
             parts = [self.ready.pop(k) for k in keys]
             if epoch == EVAL:  # held-out: out of the window once read
                 self.in_window -= sum(self._bytes(i) for i in samples)
@@ -219,18 +227,28 @@ class StreamStates:
             return {"ledgers": [led.state_dict() for e, led in self.ledgers.items() if e != EVAL]}
 
     def summary(self) -> dict[str, Any]:
+        engines = self._engine_rates()  # outside the lock: the engines may take seconds to answer
         with self.lock:
             parity = {"stream_parity_checked": sum(len(v) for v in self.parity.values()),
                       "stream_parity_max_error": max((e for v in self.parity.values() for e in v), default=None)}
-            return {"epochs": [led.summary() for e, led in self.ledgers.items() if e != EVAL], **self._rates(self.total),
-                    **(parity if self.rank == 0 else {})}
+            return {"epochs": [led.summary() for e, led in self.ledgers.items() if e != EVAL],
+                    **self._rates(self.total, engines), **(parity if self.rank == 0 else {})}
 
     def take_rates(self) -> dict[str, float]:
         """The throughput accounting since the last call (the loop logs it per window)."""
+        engines = self._engine_rates()
         with self.lock:
-            out = self._rates(self.rates)
+            out = self._rates(self.rates, engines)
             self.rates = Rates()
             return out
+
+    def finish(self) -> None:
+        """The schedule ran to its end: every sample of every epoch this rank was dealt was trained
+        (LedgerError naming the ones that were not)."""
+        with self.lock:
+            for epoch, led in self.ledgers.items():
+                if epoch != EVAL:
+                    led.close_epoch()
 
     def close(self) -> None:
         with self.lock:
@@ -275,7 +293,14 @@ class StreamStates:
         busy = collections.Counter(c.engine for c in self.calls.values())
         usable = [k for k in range(len(self.engines)) if k not in self.probes.values()]
         held = False
-        urgent = {(self.plan[0][0], i) for i in self.plan[0][1]} if self.plan else set()  # the batch waited for next
+        # urgent: the batch the trainer waits for and the next one, sent whatever the window holds (bytes of
+        # later batches can fill it, and only a trained step frees them: waiting on them would never end)
+        urgent = set(self.waiting) | ({(self.plan[0][0], i) for i in self.plan[0][1]} if self.plan else set())
+        if urgent and self.queue and self.queue[0] not in urgent:  # the urgent ones queued further back go first
+            first = [k for k in self.queue if k in urgent]
+            if first:
+                rest = [k for k in self.queue if k not in urgent]
+                self.queue = collections.deque(first + rest)
         while self.queue and usable:
             engine = min(usable, key=lambda k: busy[k])
             if busy[engine] >= DEPTH:
@@ -314,7 +339,8 @@ class StreamStates:
         if ref in self.probes:
             self._probed(ref)
             return
-        call = self.calls.pop(ref)
+        with self.lock:
+            call = self.calls.pop(ref)
         name = self.names[call.engine]
         try:
             results = ray.get(ref)
@@ -409,10 +435,10 @@ class StreamStates:
         (extract's check_parity); a mismatch is fatal (StreamError naming the engine and the sample)."""
         from eyas.extract.backend import ParityError, check_parity, default_tolerance
 
-        if self.rank != 0 or self.reference is None or len(self.parity[engine]) >= self.sc.parity:
+        if self.rank != 0 or self.reference is None or len(self.parity.get(engine, ())) >= self.sc.parity:
             return
         with self.parity_lock:
-            if len(self.parity[engine]) >= self.sc.parity:
+            if len(self.parity.get(engine, ())) >= self.sc.parity:
                 return
             if self._ref is None:
                 self._ref = self.reference()
@@ -423,7 +449,8 @@ class StreamStates:
             except ParityError as e:
                 raise StreamError(f"engine {engine}: the streamed states of sample {self.prep.ids[i]!r} are not the "
                                   f"target's: {e}. {self._ref.parity_hint}; train.stream.parity=0 turns the check off")
-            self.parity[engine] += result.errors
+            with self.lock:
+                self.parity[engine] = self.parity.get(engine, []) + result.errors
             print(f"[eyas:train] stream: engine {engine}: sample {self.prep.ids[i]!r} equals a plain forward of the "
                   f"target (largest relative error {max(result.errors):.2e}, tolerance {tol:g})", flush=True)
 
@@ -473,7 +500,7 @@ class StreamStates:
                 r.wait_s += dt
                 r.trained_tokens += tokens
 
-    def _rates(self, r: Rates) -> dict[str, float]:
+    def _rates(self, r: Rates, engines: float | None) -> dict[str, float]:
         """The accounting of a span (`r`): inference capacity I (tokens/s the engines prefill while busy,
         summed over engines, since they started: rank 0 asks them), training capacity T (this rank's tokens per second not
         spent waiting for states, times the ranks), the achieved rate, and the seconds the trainer
@@ -484,13 +511,12 @@ class StreamStates:
                "stream_window_gb": self.in_window / 1e9, "stream_wall_s": wall,
                "stream_achieved_tok_s": r.trained_tokens * self.world / wall,
                "stream_train_tok_s": r.trained_tokens * self.world / max(wall - r.wait_s, 1e-9)}
-        engines = self._engine_rates(r)
         if engines is not None:
             out["stream_engine_tok_s"] = engines
             out["stream_efficiency"] = out["stream_achieved_tok_s"] / max(min(engines, out["stream_train_tok_s"]), 1e-9)
         return out
 
-    def _engine_rates(self, r: Rates) -> float | None:
+    def _engine_rates(self) -> float | None:
         """Inference capacity: sum over engines of the tokens each prefilled / the seconds it was busy,
         since it started (a span's own would be 0 when every sample of it was asked for earlier).
         Rank 0 only; None elsewhere, or when an engine does not answer within 10 s (restarting)."""

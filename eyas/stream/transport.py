@@ -10,7 +10,7 @@ The store is a cache, not a queue: with the master's default flags a put into a 
 and evicts an object nobody has read yet. `Master` therefore always starts `mooncake_master` with
 eviction off (`--eviction_high_watermark_ratio=1.0 --eviction_ratio=0.0`): a put that does not fit
 fails, the connector publishes an error marker instead, and the sample is asked for again. eyas keeps
-the bytes in the store under `train.stream_window_gb` (eyas/stream/source.py), below the store's size.
+the bytes in the store under `train.stream.window_gb` (eyas/stream/source.py), below the store's size.
 
 Mooncake's wheel links libibverbs even for TCP; `load_ibverbs` loads it (and its libnl deps) from
 the environment's lib/ibverbs (scripts/vllm-venv.sh unpacks Debian's libibverbs1 there) when the
@@ -89,7 +89,7 @@ def master_binary() -> Path:
     path = Path(mooncake.__file__).parent / "mooncake_master"
     if not path.is_file():
         raise EyasError(f"{path} is missing: this Mooncake wheel ships no master; start one yourself and pass "
-                        "--train.stream_master=HOST:PORT")
+                        "--train.stream.master=HOST:PORT")
     return path
 
 
@@ -163,7 +163,7 @@ class Transport:
             return self.store.get_sample(manifest, timeout=timeout_s)
         except TimeoutError as e:
             raise TransportError(f"object {key} did not reach the store within {timeout_s:g} s "
-                                 "(train.stream_fetch_timeout_s)") from e
+                                 "(train.stream.fetch_timeout_s)") from e
         except Exception as e:  # hs-connectors' MooncakeIntegrityError and Mooncake status errors
             raise TransportError(f"object {key}: {type(e).__name__}: {e}{self._unreachable(e)}") from e
 

@@ -111,6 +111,8 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
                   f"world size {world_size}" + (f", resuming from {resume}" if resume else ""), flush=True)
         stepping = True  # an allocation that fails from here on: the micro-batch's size (train.max_tokens) is the knob
         metrics = fit(tr, sched, data.source, eval_fn, out, dcfg, resume, pad, workers)
+        if stream is not None and not metrics["stopped_early"]:  # the whole schedule: every dealt sample trained
+            stream.states.finish()
         if stream is not None:  # every rank's ledger and waits (a collective)
             from eyas.distributed import gather_objects
             from eyas.stream.source import combine_summaries

@@ -471,7 +471,7 @@ def fit(tr: Trainer, sched: Schedule, source, eval_loader_fn, out: Path, draft_c
         tr.init_from = state["init_from"]  # where the run this continues started from
         made = resume_changes(tr, state, sched, start)
         if hasattr(tr.states, "resume"):  # stream: the checkpoint's ledgers (every rank's)
-            tr.states.resume(state.get("stream") or [])
+            tr.states.resume(state.get("stream"))  # None: a checkpoint of offline or online training
         if tr.rank == 0 and state["world_size"] != tr.world_size:
             print(f"[eyas:train] warning: {resume} was written by a run on {state['world_size']} ranks, this one runs "
                   f"on {tr.world_size}: the data order differs from the original run's", flush=True)

@@ -206,6 +206,55 @@ def case_held_out(h: Harness) -> dict:
     return out
 
 
+def case_held_out_fault(h: Harness) -> dict:
+    """A held-out sample whose first answer is an error, asked for while the window is full of training
+    samples that only a later step frees: it is asked again at once (not held back by the window until
+    train.stream.wait_timeout_s), read once, never trained."""
+    epoch = 11
+    train = list(range(len(h.prep) - 4))
+    plans = epoch_batches(train, h.prep.lengths, MAX_TOKENS, 0, epoch, 0, 1)
+    held = [[len(h.prep) - 4], [len(h.prep) - 1]]  # the first is scripted to fail once (no other case asks it held out)
+    t_start = time.time()
+    st = h.states(window=sum(h.nbytes(i) for i in plans[0] + plans[1]), wait_timeout_s=20.0)
+    trained = h.train(st, epoch, plans, last=1)
+    time.sleep(0.5)  # the window fills with the next training samples
+    out = {"held": held, "window_full_before": st.in_window, "t_start": t_start}
+    try:
+        batches = st.evaluating(lambda: [pack([h.prep[i] for i in p], 1, MAX_TOKENS, pad_multiple=8) for p in held],
+                                held)()
+        for b, p in zip(batches, held):
+            st(b)
+            h.check(b, p)
+        trained += h.train(st, epoch, plans, first=1, expect=False)
+        out["trained"] = trained
+    except StreamError as e:
+        out["error"] = str(e)
+    out.update(plans=plans, summary=st.summary()["epochs"], errors={str(i): w for (_, i), w in st.errors.items()})
+    st.close()
+    return out
+
+
+def case_resume_offline(h: Harness) -> dict:
+    """Resumed from a checkpoint of offline training (no ledger): its k steps count as trained, the rest
+    trains once and `finish` finds every sample trained; a schedule left short makes `finish` raise."""
+    epoch, k = 12, 2
+    plans = h.plans(epoch)
+    st = h.states(window=1 << 30)
+    st.resume(None)
+    trained = h.train(st, epoch, plans, first=k)
+    st.finish()
+    out = {"plans": plans, "k": k, "trained": trained, "summary": st.summary()["epochs"]}
+    st.close()
+    short = h.states(window=1 << 30)
+    h.train(short, epoch, plans, last=len(plans) - 1)
+    try:
+        short.finish()
+    except AssertionError as e:  # LedgerError
+        out["short"] = f"{type(e).__name__}: {e}"
+    short.close()
+    return out
+
+
 def case_fault(h: Harness, epoch: int, act: str, **sc) -> dict:
     """The first sample of the epoch's second micro-batch meets `act` (the engine's script)."""
     st = h.states(window=1 << 30, **sc)
@@ -295,7 +344,7 @@ def main(prep_dir: str, work: str, result: str) -> None:
     prep = Prepared(prep_dir)
     log = work_dir / "engine.jsonl"
     master = Master(work_dir / "mooncake_master.log")
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)  # never a stranger cluster
     out: dict = {}
     try:
         probe = Harness(prep, None, None)
@@ -304,6 +353,7 @@ def main(prep_dir: str, work: str, result: str) -> None:
                                      (9, "other_ids", 1)):
             hit = probe.plans(epoch)[1][0]
             script.update({rid(hit, epoch, a): act for a in range(1, attempts + 1)})
+        script[rid(len(prep) - 4, -1, 1)] = "error"  # the held-out fault case's first held-out sample
         engine = ray.remote(StoreEngine).options(max_restarts=1, max_task_retries=0, max_concurrency=2,
                                                  num_cpus=0).remote(master.address, str(log), script)
         ray.get(engine.ready.remote())
@@ -321,6 +371,8 @@ def main(prep_dir: str, work: str, result: str) -> None:
                  "window": lambda: case_window(h),
                  "resume": lambda: case_resume(h),
                  "held_out": lambda: case_held_out(h),
+                 "held_out_fault": lambda: case_held_out_fault(h),
+                 "resume_offline": lambda: case_resume_offline(h),
                  "dead_engine": lambda: case_fault(h, 7, "die")}  # last: the engine is a restarted one after it
         for name, fn in cases.items():
             t0 = time.perf_counter()

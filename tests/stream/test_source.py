@@ -161,11 +161,12 @@ def test_held_out_batches_come_first_are_read_once_and_never_trained(streamed):
     case = streamed["held_out"]
     held = [i for p in case["held"] for i in p]
     assert case["trained"] == flat(case["plans"]) and not set(held) & set(case["trained"])
-    cs = calls(streamed, -1)
+    before = streamed["held_out_fault"]["t_start"]  # the calls of this case, not of the one after it
+    cs = [c for c in calls(streamed, -1) if c["t"] < before]
     assert sorted(s for c in cs for s, _ in c["rids"]) == sorted(held) and all(c["t"] >= case["t_eval"] for c in cs)
     # the training samples still queued (plans[3:]: the window holds two micro-batches) come after them
     queued = set(flat(case["plans"][3:]))
-    order = [parse(r) for c in streamed["asked"] for r in c["rids"]]
+    order = [parse(r) for c in streamed["asked"] if c["t"] < before for r in c["rids"]]
     last_held = max(k for k, (s, e, a) in enumerate(order) if e == -1)
     first_queued = min(k for k, (s, e, a) in enumerate(order) if e == 10 and s in queued)
     assert queued and last_held < first_queued
@@ -177,3 +178,24 @@ def test_held_out_batches_come_first_are_read_once_and_never_trained(streamed):
                                   "held_out"])
 def test_nothing_stays_in_the_window_once_everything_is_trained(streamed, name):
     assert streamed[name]["in_window_end"] == 0
+
+
+def test_a_held_out_sample_asked_again_while_the_window_is_full_is_not_held_back(streamed):
+    """The window full of training samples only a later step frees; a held-out sample that failed
+    once must be asked again at once (the batch the trainer waits for passes the window), or the
+    evaluation would wait for train.stream.wait_timeout_s and stop the run."""
+    case = streamed["held_out_fault"]
+    assert "error" not in case, case.get("error")
+    first = case["held"][0][0]
+    assert len(case["errors"][str(first)]) == 1 and "scripted" in case["errors"][str(first)][0]
+    assert case["trained"] == flat(case["plans"]) and case["summary"][0]["trained"] == len(flat(case["plans"]))
+    assert case["seconds"] < 15
+
+
+def test_resume_from_an_offline_checkpoint_and_finish_checks_every_sample_trained(streamed):
+    case = streamed["resume_offline"]
+    assert "traceback" not in case, case.get("traceback")
+    assert case["trained"] == flat(case["plans"][case["k"]:])  # the rest, once; the checkpoint's steps not again
+    assert case["summary"][0]["trained"] == SAMPLES
+    last = case["plans"][-1]
+    assert case["short"].startswith("LedgerError: epoch 12 ended with") and str(last[0]) in case["short"]
