@@ -235,3 +235,23 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_stream_settings_never_change_the_train_run_key():
+    """Where and how the states are captured and moved (train.stream.*) is not what training makes: a
+    run stopped by, say, a store too small resumes with a larger one and keeps its checkpoints, while
+    the aux layers and the dtype the engines capture do change the key."""
+    from eyas.config import load_config
+    from eyas.run.plan import run_keys, stage_plan
+
+    def train_key(*flags):
+        configs, stages = stage_plan(load_config(None, ["--train.mode=stream", *flags]))
+        assert "extract" not in stages
+        return run_keys(configs, stages)["train"]
+
+    base = train_key()
+    assert train_key("--train.stream.store_gb=16", "--train.stream.window_gb=2", "--train.stream.engines=3",
+                     "--train.stream.master=10.0.0.1:50051", "--train.stream.engine_urls=[http://h:8000]",
+                     "--train.stream.wait_timeout_s=60", "--train.stream.parity=0") == base
+    assert train_key("--extract.layer_ids=[1,2,3]") != base
+    assert train_key("--extract.store_dtype=bfloat16") != base
