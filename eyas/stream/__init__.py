@@ -127,7 +127,11 @@ def open_stream(cfg, data, rank: int, world: int, out: Path) -> Session:
     try:
         return _open(cfg, data, rank, world, out, session)
     except BaseException:
-        session.close()
+        try:
+            session.close()
+        except Exception as e:  # the start's own error is the one raised; this one is said, not hidden
+            print(f"[eyas:train] stream: stopping what had started failed too: {type(e).__name__}: "
+                  f"{exception_message(e)}", flush=True)
         raise
 
 

@@ -24,6 +24,7 @@ Shapes: S tokens of a sample, K aux layers, D hidden size.
 from __future__ import annotations
 
 import collections
+import itertools
 import re
 import threading
 import time
@@ -102,6 +103,7 @@ class StreamStates:
         self.stop = False
         self.fetchers = ThreadPoolExecutor(FETCHERS, thread_name_prefix="eyas-stream-fetch")
         self.waiting: set[tuple[int, int]] = set()  # the samples the trainer waits for now
+        self._rates_unknown = False
         self.thread = threading.Thread(target=self._run, name="eyas-stream-controller", daemon=True)
         self.thread.start()
 
@@ -297,10 +299,12 @@ class StreamStates:
         # later batches can fill it, and only a trained step frees them: waiting on them would never end)
         urgent = set(self.waiting) | ({(self.plan[0][0], i) for i in self.plan[0][1]} if self.plan else set())
         if urgent and self.queue and self.queue[0] not in urgent:  # the urgent ones queued further back go first
-            first = [k for k in self.queue if k in urgent]
-            if first:
-                rest = [k for k in self.queue if k not in urgent]
-                self.queue = collections.deque(first + rest)
+            # (they are near the front: the queue is in training order and retries go first, so a short
+            # look suffices; the whole queue, an epoch long, is not scanned every turn of the loop)
+            first = [k for k in itertools.islice(self.queue, 4 * len(urgent) + 64) if k in urgent]
+            for k in first:
+                self.queue.remove(k)
+            self.queue.extendleft(reversed(first))
         while self.queue and usable:
             engine = min(usable, key=lambda k: busy[k])
             if busy[engine] >= DEPTH:
@@ -526,7 +530,11 @@ class StreamStates:
             return None
         try:
             now = ray.get([e.stats.remote() for e in self.engines], timeout=10)
-        except Exception:  # an engine restarting: no figure for this span
+        except Exception as e:  # an engine restarting: no figure for this span (said once)
+            if not self._rates_unknown:
+                self._rates_unknown = True
+                print(f"[eyas:train] stream: the engines' capacity is left out of a logged window: "
+                      f"{type(e).__name__}: {exception_message(e)}", flush=True)
             return None
         return sum(b["tokens"] / b["busy_s"] for b in now if b["busy_s"] > 0)
 

@@ -300,6 +300,14 @@ def _rerun(m, run: Path, work: Path, ref: Path, *extra: str) -> tuple[bool, str]
 # ---------------------------------------------------------------- the cells
 
 
+
+def _seeded_pause(t, rng, most: float) -> tuple[float, bool]:
+    """A seeded pause of up to `most` s past the moment a cell waited for: -> (seconds, whether the
+    run had ended by then: a fault after the end never shows)."""
+    delay = rng.uniform(0, most)
+    time.sleep(delay)
+    return delay, t.proc.poll() is not None
+
 def trainer_kill9(m, work: Path, rng) -> tuple[bool, str]:
     """SIGKILL of the trainer (the `eyas run` process alone) at a seeded moment after its first
     checkpoint. Held: within 10 s no mooncake_master and no VLLM:: process of the run is left (the
@@ -309,9 +317,7 @@ def trainer_kill9(m, work: Path, rng) -> tuple[bool, str]:
     t = _start(m, run, work / "first.log")
     try:
         t.wait_path(_checkpoint(run, SAVE_EVERY))
-        delay = rng.uniform(0, 1.0)
-        time.sleep(delay)
-        ended = t.proc.poll() is not None
+        delay, ended = _seeded_pause(t, rng, 1.0)
         if not ended:
             t.scan()
             os.kill(t.proc.pid, signal.SIGKILL)
@@ -347,9 +353,7 @@ def engine_kill9(m, work: Path, rng) -> tuple[bool, str]:
     try:
         pid = _engine_pid(t)
         t.wait_path(_checkpoint(run, SAVE_EVERY))
-        delay = rng.uniform(0, 0.5)
-        time.sleep(delay)
-        ended = t.proc.poll() is not None
+        delay, ended = _seeded_pause(t, rng, 0.5)
         t.scan()
         vllm = [p for p, c in t.living().items() if c.startswith("VLLM::") and _group(p) == pid]  # the engine's own
         if pid is not None and not ended:
@@ -394,9 +398,7 @@ def master_kill9(m, work: Path, rng) -> tuple[bool, str]:
         t.scan()
         port = found.group(1) if found else "?"
         masters = [p for p, c in t.living().items() if "mooncake_master" in c and f"-rpc_port={port}" in c]
-        delay = rng.uniform(0, 0.5)
-        time.sleep(delay)
-        ended = t.proc.poll() is not None
+        delay, ended = _seeded_pause(t, rng, 0.5)
         for pid in masters if not ended else []:
             os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
@@ -453,9 +455,7 @@ def stalled_engine(m, work: Path, rng) -> tuple[bool, str]:
     try:
         pid = _engine_pid(t)
         t.wait_path(_checkpoint(run, SAVE_EVERY))
-        delay = rng.uniform(0, 0.5)
-        time.sleep(delay)
-        ended = t.proc.poll() is not None
+        delay, ended = _seeded_pause(t, rng, 0.5)
         if pid is not None and not ended:
             os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()

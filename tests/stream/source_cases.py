@@ -313,28 +313,24 @@ def case_resume(h: Harness) -> dict:
     summary = st.summary()["epochs"]
     end = st.in_window
     st.close()
-    tampered = json.loads(json.dumps(saved))
-    later = plans[k + 1][0]
-    tampered["ledgers"][0]["entries"][str(later)]["state"] = "trained"
-    st = h.states(window=1 << 30)
-    st.resume([tampered])
-    try:
-        st.expect(epoch, plans, k)
-        refused = None
-    except StreamError as e:
-        refused = str(e)
-    st.close()
-    tampered = json.loads(json.dumps(saved))
-    earlier = plans[0][0]
-    tampered["ledgers"][0]["entries"][str(earlier)]["state"] = "queued"
-    st = h.states(window=1 << 30)
-    st.resume([tampered])
-    try:
-        st.expect(epoch, plans, k)
-        skipped = None
-    except StreamError as e:
-        skipped = str(e)
-    st.close()
+
+    def resumed_with(sample: int, state: str) -> str | None:
+        """A resume at step k from `saved` with `sample` put in `state`: -> the refusal, or None."""
+        tampered = json.loads(json.dumps(saved))
+        tampered["ledgers"][0]["entries"][str(sample)]["state"] = state
+        st = h.states(window=1 << 30)
+        st.resume([tampered])
+        try:
+            st.expect(epoch, plans, k)
+            return None
+        except StreamError as e:
+            return str(e)
+        finally:
+            st.close()
+
+    later, earlier = plans[k + 1][0], plans[0][0]
+    refused = resumed_with(later, "trained")
+    skipped = resumed_with(earlier, "queued")
     return {"plans": plans, "k": k, "before": before, "earlier_id": h.prep.ids[earlier], "skipped": skipped, "after": after, "saved": saved, "summary": summary,
             "t_resume": t_resume, "in_window_end": end, "later": later, "later_id": h.prep.ids[later], "refused": refused}
 

@@ -30,6 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eyas.stream.transport import free_port
 from tests.data import write_sharegpt_chats, write_synthetic_chats
 from tests.models import save_deepseek_v3
 from tests.vllm_serving import CPU_SIZED, REPO, vllm_env, vllm_python
@@ -230,11 +231,6 @@ def test_engines_given_by_url_are_a_real_vllm_server_started_with_the_arguments_
     want = load_file(runs["offline"] / "train" / "final" / "draft.safetensors")
     assert all(torch.equal(got[k], want[k]) for k in want)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_stream_settings_never_change_the_train_run_key():
