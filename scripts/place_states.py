@@ -1,7 +1,7 @@
 """Where an offline run's hidden states fit on this machine, decided from prepare's token count
 before the first extract: prints the eyas overrides to add (nothing when the run directory's disk
 holds them). SmolLM2-135M's states, for example, take 4 x 576 x 2 + 5 = 4,613 bytes per token, so
-10.8M tokens need 49.9 GB; scripts/smollm2_phases.sh's train phase runs this after prepare.
+10.8M tokens need 49.9 GB. Run it after prepare, before extract.
 
     python scripts/place_states.py RUN/prepare --bytes-per-token 4613 --disk RUN --shm /dev/shm --spill
 
@@ -21,7 +21,7 @@ Output (stdout): the overrides, one line; why they were chosen goes to stderr. I
   overrides; extract checks the space itself before it writes anything).
 
 Free space is measured as it is now: remove the states of an earlier run first, or they count
-against the new one (scripts/smollm2_phases.sh does).
+against the new one.
 """
 
 from __future__ import annotations

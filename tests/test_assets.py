@@ -10,8 +10,7 @@ from pathlib import Path
 
 
 def test_smollm2_dir_prints_only_the_path_on_stdout_when_it_converts(tmp_path):
-    """Scripts read the directory as `$(python -c "...print(smollm2_dir())")` (scripts/smollm2_phases.sh
-    does): the one-time conversion's line on a fresh machine must not reach stdout, or the path read
+    """Scripts read the directory as `$(python -c "...print(smollm2_dir())")`: the one-time conversion's line on a fresh machine must not reach stdout, or the path read
     begins with it. The line belongs on stderr."""
     env = {**os.environ, "EYAS_CACHE_DIR": str(tmp_path / "cache")}
     code = "from eyas import assets; print(assets.smollm2_dir())"

@@ -40,7 +40,7 @@ def test_committed_regenerated_data_is_what_data_readme_says(name, count, self_p
 
 
 def test_committed_regenerated_files_share_no_id():
-    """scripts/smollm2_phases.sh trains on the six files together (STEERED=1 SELF=4): an id in two of them would
+    """A training set joins several of the files (data/README.md): an id in two of them would
     put two conversations in one held-out group and name two samples alike in errors."""
     seen: dict[str, str] = {}
     for path in sorted(DATA.glob("*.jsonl.xz")):
