@@ -24,8 +24,8 @@ The residual around attention is the **un-normed** h (the reference); with
 `norm_before_residual=True` it is hidden_norm(h) (the variant some vLLM/speculators checkpoints
 use). `forward_step` returns the state fed back as h at the next draft step (the pre-norm output of
 the last layer; with EAGLE 3.1's `norm_output=True` its norm, the tensor lm_head reads, so `logits`
-then applies no norm of its own) and the keys/values of this step, so callers own their caches: training-time test
-(eyas.ttt) concatenates step blocks with a diagonal mask; speculative decoding (eyas.spec)
+then applies no norm of its own) and the keys/values of this step, so callers own their caches:
+training-time test (eyas.ttt) concatenates step blocks with a diagonal mask; speculative decoding (eyas.spec)
 keeps an ordinary KV cache. With num_layers = L > 1 the keys/values of all layers travel as one
 tensor with L*Hkv heads (layer l owns heads l*Hkv .. (l+1)*Hkv - 1): every cache stays a single
 [B, L*Hkv, P, d] tensor along the sequence axis, and every layer sees the same positions and mask.
