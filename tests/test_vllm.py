@@ -34,8 +34,8 @@ in SGLang's convention in vLLM's field or norm_before_residual flipped in config
 3.1 draft's with norm_output flipped off -- which vLLM loads without complaint and which the tau
 comparison must reject.
 
-Runtime on 2 CPU cores (shared, so noisy): ~3-8 minutes (14 vLLM engines in one process; fitting
-~25 s; eyas's stages and chain evaluation of their draft ~20 s).
+Runtime on 2 CPU cores (shared, so noisy): ~4-12 minutes (14 vLLM engines in one process; fitting
+~25-40 s per draft; eyas's stages and chain evaluation of their draft ~20 s; 12 min on 2026-12-06).
 """
 
 from __future__ import annotations
