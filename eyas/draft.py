@@ -5,6 +5,7 @@ Legend: B batch, S sequence (queries), P prefix keys, D draft hidden, Dt target 
 layers, H heads, Hkv kv heads, d head dim, W draft vocab, V target vocab.
 
     fc                      Linear(K*Dt -> D, no bias): fuses the K aux states (layer-id order)
+    fc_norm.{k}             RMSNorm(Dt) on aux state k before fc (EAGLE 3.1's fc_norm; only then)
     midlayer.input_layernorm   RMSNorm(D) on the token embedding
     midlayer.hidden_norm       RMSNorm(D) on the hidden state h
     midlayer.self_attn.{q,k,v}_proj  Linear(2D -> H*d / Hkv*d): input cat([norm(emb), norm(h)])
@@ -21,9 +22,10 @@ layers, H heads, Hkv kv heads, d head dim, W draft vocab, V target vocab.
 
 The residual around attention is the **un-normed** h (the reference); with
 `norm_before_residual=True` it is hidden_norm(h) (the variant some vLLM/speculators checkpoints
-use). `forward_step` returns the pre-norm output of the last layer (fed back as h at the next draft
-step) and the keys/values of this step, so callers own their caches: training-time test
-(eyas.ttt) concatenates step blocks with a diagonal mask; speculative decoding (eyas.spec)
+use). `forward_step` returns the state fed back as h at the next draft step (the pre-norm output of
+the last layer; with EAGLE 3.1's `norm_output=True` its norm, the tensor lm_head reads, so `logits`
+then applies no norm of its own) and the keys/values of this step, so callers own their caches:
+training-time test (eyas.ttt) concatenates step blocks with a diagonal mask; speculative decoding (eyas.spec)
 keeps an ordinary KV cache. With num_layers = L > 1 the keys/values of all layers travel as one
 tensor with L*Hkv heads (layer l owns heads l*Hkv .. (l+1)*Hkv - 1): every cache stays a single
 [B, L*Hkv, P, d] tensor along the sequence axis, and every layer sees the same positions and mask.
@@ -44,7 +46,7 @@ from torch import nn
 
 SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                 "num_layers", "target_hidden_size", "num_aux_layers", "aux_layer_ids", "draft_vocab_size",
-                "vocab_size", "norm_before_residual")
+                "vocab_size", "norm_before_residual", "fc_norm", "norm_output")
 """DraftConfig fields two drafts must share to carry weights from one to the other: --train.init_from
 (with the vocabulary, unless remapped) and --export.average_with (whatever the vocabulary)."""
 
@@ -68,6 +70,11 @@ class DraftConfig:
     norm_before_residual: bool = False
     aux_layer_ids: list[int] = field(default_factory=list)
     num_layers: int = 1
+    fc_norm: bool = False
+    """EAGLE 3.1: an RMSNorm of its own on each aux state before fc (vLLM's `fc_norm`)."""
+    norm_output: bool = False
+    """EAGLE 3.1: the state fed back to the next draft step is norm(h), the one lm_head reads,
+    not the pre-norm h (vLLM's `norm_output`)."""
 
     @classmethod
     def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int], **overrides: Any) -> "DraftConfig":
@@ -264,6 +271,8 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = cfg
         self.fc = nn.Linear(cfg.num_aux_layers * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.fc_norm = (nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux_layers))
+                        if cfg.fc_norm else None)
         if cfg.num_layers < 1:
             raise ValueError(f"num_layers={cfg.num_layers}: a draft has at least one layer")
         self.midlayer = Eagle3Layer(cfg)
@@ -291,7 +300,10 @@ class Eagle3Draft(nn.Module):
         return F.embedding(input_ids_BS, self.embed_weight)
 
     def fuse(self, aux_BSKD: torch.Tensor) -> torch.Tensor:
-        """fc over the K aux states concatenated in layer-id order -> h_BSD (step 0 input)."""
+        """fc over the K aux states concatenated in layer-id order -> h_BSD (step 0 input); with
+        fc_norm each state k first through its own fc_norm[k] (vLLM norms each chunk of the concat)."""
+        if self.fc_norm is not None:
+            aux_BSKD = torch.stack([norm(aux_BSKD[..., k, :]) for k, norm in enumerate(self.fc_norm)], dim=-2)
         return self.fc(aux_BSKD.flatten(-2).to(self.fc.weight.dtype))
 
     def forward_step(
@@ -309,8 +321,8 @@ class Eagle3Draft(nn.Module):
         mask_BSP: bool [B or 1, S, P+S] (True = attend) or a FlexAttention BlockMask over the
         P+S keys; None with no past means causal. kv_len: zero-pad the keys/values to this length
         (fixed shapes for FlexAttention; the mask must block the padding).
-        Returns (prenorm_BSD: the output fed back as h; k_BHSd, v_BHSd of this step, after RoPE;
-        with L layers H = L*Hkv, layer by layer).
+        Returns (prenorm_BSD: the output fed back as h, pre-norm unless config.norm_output;
+        k_BHSd, v_BHSd of this step, after RoPE; with L layers H = L*Hkv, layer by layer).
         """
         layer = self.midlayer
         emb = self.embed(input_ids_BS).to(h_BSD.dtype)
@@ -338,13 +350,15 @@ class Eagle3Draft(nn.Module):
                 v_all = F.pad(v_all, (0, 0, 0, kv_len - v_all.shape[2]))
             hidden = residual + block.self_attn.attend(q, k_all, v_all, mask_BSP)
             hidden = hidden + block.mlp(block.post_attention_layernorm(hidden))
+        if self.config.norm_output:  # EAGLE 3.1: the next step (and lm_head) reads the normed state
+            hidden = self.norm(hidden)
         if len(keys) == 1:
             return hidden, keys[0], values[0]
         return hidden, torch.cat(keys, dim=1), torch.cat(values, dim=1)
 
     def logits(self, prenorm_BSD: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits [.., W] from the pre-norm output."""
-        return self.lm_head(self.norm(prenorm_BSD))
+        """Draft-vocab logits [.., W] from forward_step's output (already normed with norm_output)."""
+        return self.lm_head(prenorm_BSD if self.config.norm_output else self.norm(prenorm_BSD))
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

@@ -50,6 +50,14 @@ Config fields
     speculative_tokens}], default_proposal_method, verifier: {name_or_path, architectures}}`.
     `norm_before_residual` is always written: vLLM's `configs/speculators/algos.py update_eagle3`
     defaults it to **True** when absent, speculators and eyas to False.
+  * EAGLE 3.1 (train.norms=eagle3.1): top-level `fc_norm` and `norm_output` (speculators
+    `models/eagle3/config.py`; vLLM's `update_eagle3` copies both into the draft config, default
+    False), weights `fc_norm.{k}.weight` (speculators `core.py` ModuleList `fc_norm`; vLLM
+    llama_eagle3.py `LlamaModel.fc_norm`, K RMSNorm(target_hidden_size), each on its chunk of the
+    aux concat before fc; with `norm_output` the state fed back is `norm`'s output). vLLM's
+    `norm_before_fc` (one norm over the whole concat) is another design and always written False.
+    SGLang's llama_eagle3.py reads neither field and skips the `fc_norm` weights in silence, so
+    such a draft is refused for the sglang layout.
 
 Aux-layer ids (eyas's convention: index into HF `output_hidden_states`; 0 = embeddings, k = output of
 decoder layer k-1 = the residual stream entering layer k)
@@ -190,11 +198,15 @@ SPECULATORS_EXTRA_LAYER_KEYS = {
     "extra_layers.{}.mlp.down_proj.weight": "layers.{}.mlp.down_proj.weight",
 }
 KEY_TABLES = {"sglang": SGLANG_KEYS, "speculators": SPECULATORS_KEYS}
+# EAGLE 3.1's per-aux-state norms (fc_norm=True): the same name in vLLM and speculators
+FC_NORM_KEY = "fc_norm.{}.weight"
 
 
-def key_table(fmt: str, num_layers: int = 1) -> dict[str, str]:
-    """eyas state_dict name -> exported name for a draft of `num_layers` layers."""
+def key_table(fmt: str, num_layers: int = 1, num_fc_norms: int = 0) -> dict[str, str]:
+    """eyas state_dict name -> exported name for a draft of `num_layers` layers (and `num_fc_norms`
+    fc_norm modules: K with fc_norm, else 0)."""
     table = dict(KEY_TABLES[fmt])
+    table.update({FC_NORM_KEY.format(k): FC_NORM_KEY.format(k) for k in range(num_fc_norms)})
     if num_layers > 1:
         if fmt != "speculators":
             raise ArtifactError(f"a {fmt} layout with {num_layers} draft layers: only the speculators layout holds more than one")
@@ -301,8 +313,8 @@ def speculators_config(c: DraftConfig, dtype: str, verifier: str, verifier_arch:
         "target_hidden_size": c.target_hidden_size,
         "norm_before_residual": c.norm_before_residual,  # vLLM's default when absent is True
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        "fc_norm": c.fc_norm,
+        "norm_output": c.norm_output,
         "eagle_aux_hidden_state_layer_ids": vllm_aux_ids(c.aux_layer_ids),
         "speculators_config": {
             "algorithm": "eagle3",
@@ -331,6 +343,13 @@ def check_layout_supported(c: DraftConfig, fmt: str) -> None:
         raise ArtifactError(
             "SGLang's llama_eagle3.py always uses the un-normed residual; this draft was trained with "
             "norm_before_residual=True: export with --export.format=speculators"
+        )
+    if c.fc_norm or c.norm_output:
+        raise ArtifactError(
+            f"this draft has EAGLE 3.1's norms (fc_norm={c.fc_norm}, norm_output={c.norm_output}, from "
+            "train.norms=eagle3.1), which SGLang's llama_eagle3.py cannot express: it builds no fc_norm (the "
+            "weights would be skipped in silence) and feeds back the pre-norm state; export with "
+            "--export.format=speculators (vLLM serves it)"
         )
 
 
@@ -395,7 +414,7 @@ def export_draft(
                 raise ConfigError("the speculators layout names its verifier: pass verifier= (the target's path or hub id)")
             cfg = speculators_config(c, dtype, verifier, verifier_arch or [], num_speculative_tokens)
         path = Path(out_dir) / fmt
-        write_layout(path, cfg, export_tensors(model, key_table(fmt, c.num_layers), DTYPES[dtype]))
+        write_layout(path, cfg, export_tensors(model, key_table(fmt, c.num_layers, num_fc_norms(c)), DTYPES[dtype]))
         written[fmt] = path
     return written
 
@@ -438,7 +457,14 @@ def exported_draft_config(config: dict[str, Any]) -> DraftConfig:
         norm_before_residual=config["norm_before_residual"],
         aux_layer_ids=hf_ids,
         num_layers=layer.get("num_hidden_layers", 1),
+        fc_norm=bool(config.get("fc_norm", False)),  # vLLM's defaults (update_eagle3, llama_eagle3.py)
+        norm_output=bool(config.get("norm_output", False)),
     )
+
+
+def num_fc_norms(cfg: DraftConfig) -> int:
+    """How many fc_norm modules the draft holds (one per aux state with EAGLE 3.1's fc_norm)."""
+    return cfg.num_aux_layers if cfg.fc_norm else 0
 
 
 def whole_vocab(cfg: DraftConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -453,7 +479,7 @@ def load_exported(directory: str | Path, embed_weight_VD: torch.Tensor | None = 
         raise ArtifactError(f"{d} is not an exported draft (needs {CONFIG} and {WEIGHTS}): run `eyas export`")
     config = json.loads((d / CONFIG).read_text())
     cfg = exported_draft_config(config)
-    inverse = {v: k for k, v in key_table(detect_layout(config), cfg.num_layers).items()}
+    inverse = {v: k for k, v in key_table(detect_layout(config), cfg.num_layers, num_fc_norms(cfg)).items()}
     tensors = read_safetensors(d / WEIGHTS, "export", "run `eyas export` again, or use another draft")
     unknown = sorted(set(tensors) - set(inverse))
     if unknown:

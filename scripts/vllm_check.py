@@ -14,7 +14,8 @@ RESULT.json, per run: greedy `outputs` (token ids per prompt), the spec-decode c
 (`num_drafts`, `num_draft_tokens`, `num_accepted_tokens`, `accepted_per_pos`; deltas over this
 run's generate call), and for draft runs `inspect`: what vLLM actually built, read inside the
 worker: the target's aux layers, the drafter class, its residual-norm variant, RoPE base, the
-d2t it loaded, whether it shares the target's embedding, its number of draft layers, and each
+d2t it loaded, whether it shares the target's embedding, its number of draft layers, EAGLE 3.1's
+fc_norm count and norm_output, and each
 exported tensor (every layer's) checked against the layer that serves it (functional checks: vLLM's
 CPU linears repack their weights).
 
@@ -54,10 +55,12 @@ VLLM_SERVING = {
 def serving_table(names) -> dict:
     """VLLM_SERVING plus, for each further draft layer j of a multi-layer export (`layers.j.*`,
     j >= 1), the same entries at model.layers.j (no hidden_norm is exported for them: vLLM uses
-    only layer 0's)."""
+    only layer 0's), and EAGLE 3.1's per-aux-state norms `fc_norm.k.weight` at model.fc_norm.k."""
     table = dict(VLLM_SERVING)
     for name in names:
         parts = name.split(".")
+        if parts[0] == "fc_norm":
+            table[name] = (f"model.{name}", "weight", None)
         if parts[0] == "layers" and parts[1] != "0":
             path, kind, shard = VLLM_SERVING["midlayer." + ".".join(parts[2:])]
             table[name] = (path.replace("model.layers.0.", f"model.layers.{parts[1]}."), kind, shard)
@@ -138,6 +141,8 @@ def inspect_worker(worker, exported_path: str) -> dict:
     return {
         "drafter": type(drafter).__name__,
         "num_draft_layers": len(drafter.model.layers),
+        "num_fc_norms": len(drafter.model.fc_norm) if getattr(drafter.model, "fc_norm", None) is not None else 0,
+        "norm_output": bool(getattr(drafter.model, "norm_output", False)),
         "target_aux_layers": [int(i) for i in getattr(target.model, "aux_hidden_state_layers", [])],
         "residual_norm": layer._residual_norm.__name__,
         "rope_base": float(getattr(rope, "base", float("nan"))),

@@ -231,7 +231,7 @@ def greedy_sequences(target, prompts_ids: list[list[int]], max_new_tokens: int) 
 def fitted_draft(
     target, sequences: list[list[int]], aux_layer_ids=(2, 15, 27), draft_vocab: int = 512,
     steps: int = 50, ttt_steps: int = 3, lr: float = 3e-3, seed: int = 0, intermediate_size: int = 512,
-    decoy_shifts: tuple[int, ...] = (-1, 1), num_layers: int = 1,
+    decoy_shifts: tuple[int, ...] = (-1, 1), num_layers: int = 1, norms: str = "eagle3",
 ) -> Eagle3Draft:  # fmt: skip
     """Fit a draft to the target's greedy predictions on `sequences` (packed, 3-step TTT).
 
@@ -241,6 +241,7 @@ def fitted_draft(
     its aux states come from the layers `aux_layer_ids + shift`: served with an off-by-one layer
     convention it then accepts almost nothing, so such a mistake shows as a collapse of tau instead
     of the few-percent drop of an ordinary draft (adjacent residual streams are much alike).
+    norms: as train.norms (eagle3.1: fc_norm and norm_output).
     """
     from eyas.capture import capture
     from eyas.ttt import sdpa_masks, ttt_forward
@@ -269,7 +270,8 @@ def fitted_draft(
     d2t, t2d = d2t_t2d(sel, tcfg.vocab_size)
     torch.manual_seed(seed)
     cfg = DraftConfig.from_target(tcfg, draft_vocab_size=draft_vocab, aux_layer_ids=list(aux_layer_ids),
-                                  intermediate_size=intermediate_size, num_layers=num_layers)
+                                  intermediate_size=intermediate_size, num_layers=num_layers,
+                                  fc_norm=norms == "eagle3.1", norm_output=norms == "eagle3.1")
     draft = Eagle3Draft(cfg, target.get_input_embeddings().weight.float())
     draft.set_vocab(d2t, t2d)
     # step i at row t reads token t+1+i and predicts the target's argmax after it

@@ -160,6 +160,23 @@ def test_decoder_step_matches_a_hand_written_reference(nbr):
     assert logits.shape[-1] == cfg.draft_vocab_size
 
 
+def test_eagle31_norms_match_a_hand_written_reference():
+    """fc_norm: each aux state through its own RMSNorm before fc (vLLM llama_eagle3.py
+    combine_hidden_states); norm_output: the state fed back is norm(h), and lm_head reads it as is."""
+    cfg = small_cfg(fc_norm=True, norm_output=True)
+    m = random_draft(cfg)
+    assert [n.weight.shape for n in m.fc_norm] == [(24,)] * 3
+    aux = torch.randn(1, 6, 3, 24, dtype=torch.float64) * 4
+    normed = [rms(aux[0, :, k], m.fc_norm[k].weight, cfg.rms_norm_eps) for k in range(3)]
+    h = torch.cat(normed, dim=-1) @ m.fc.weight.T
+    torch.testing.assert_close(m.fuse(aux)[0], h, rtol=1e-5, atol=1e-5)
+    ids, pos = torch.randint(0, cfg.vocab_size, (6,)), torch.arange(6)
+    out, _, _ = m.forward_step(ids[None], h[None], pos[None])
+    want = rms(reference_step(m, ids, h, pos, False), m.norm.weight, cfg.rms_norm_eps)
+    torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.logits(out)[0], want @ m.lm_head.weight.T, rtol=1e-5, atol=1e-5)
+
+
 def test_norm_before_residual_changes_the_output_and_is_recorded(tmp_path):
     a, b = random_draft(small_cfg()), random_draft(small_cfg(norm_before_residual=True))
     ids, h, pos = torch.randint(0, 40, (1, 4)), torch.randn(1, 4, 32, dtype=torch.float64) * 5, torch.arange(4)[None]

@@ -281,3 +281,43 @@ def test_multi_layer_speculators_layout_round_trips_with_vllms_names(tcfg, tmp_p
     logits_a, ids_a = draft_outputs(draft)
     logits_b, ids_b = draft_outputs(back)
     assert torch.equal(logits_a, logits_b) and torch.equal(ids_a, ids_b)
+
+
+# --- EAGLE 3.1 norms (vLLM only) ---------------------------------------------------------------------
+
+
+def test_eagle31_speculators_layout_round_trips_with_vllms_names(tcfg, tmp_path):
+    """fc_norm + norm_output: config.json's top-level fc_norm / norm_output (what vLLM's
+    update_eagle3 copies into the draft config), K tensors fc_norm.{k}.weight of target_hidden_size
+    (vLLM llama_eagle3.py LlamaModel.fc_norm); float32 reads back to the same outputs."""
+    draft = smollm2_draft(tcfg, fc_norm=True, norm_output=True).eval()
+    assert key_table("speculators", 1, 3) == {**SPECULATORS_KEYS, **{f"fc_norm.{k}.weight": f"fc_norm.{k}.weight" for k in range(3)}}
+    assert set(key_table("speculators", 1, 3)) == set(draft.state_dict())
+    out = export(draft, tmp_path, formats=("speculators",), dtype="float32")["speculators"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["fc_norm"], cfg["norm_output"], cfg["norm_before_fc"]) == (True, True, False)
+    tensors = load_file(str(out / "model.safetensors"))
+    assert [tuple(tensors[f"fc_norm.{k}.weight"].shape) for k in range(3)] == [(576,)] * 3
+    back = load_exported(out)
+    assert back.config == draft.config and back.config.fc_norm and back.config.norm_output
+    logits_a, ids_a = draft_outputs(draft)
+    logits_b, ids_b = draft_outputs(back)
+    assert torch.equal(logits_a, logits_b) and torch.equal(ids_a, ids_b)
+    # each flag changes what the draft computes (so one lost on the way would show)
+    for flag in ("fc_norm", "norm_output"):
+        cfg_off = json.loads((out / "config.json").read_text())
+        cfg_off[flag] = False
+        (out / "config.json").write_text(json.dumps(cfg_off))
+        if flag == "fc_norm":
+            with pytest.raises(ArtifactError, match="fc_norm.0.weight"):  # vLLM too raises on unknown names
+                load_exported(out)
+        else:
+            assert not torch.allclose(draft_outputs(load_exported(out))[0], logits_a)
+        (out / "config.json").write_text(json.dumps(cfg))
+
+
+def test_eagle31_norms_are_refused_for_the_sglang_layout(tcfg, tmp_path):
+    for flags in ({"fc_norm": True}, {"norm_output": True}):
+        with pytest.raises(ArtifactError, match="--export.format=speculators"):
+            export(smollm2_draft(tcfg, **flags), tmp_path, formats=("sglang",))
+    assert not (tmp_path / "sglang").exists()

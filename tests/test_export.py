@@ -201,6 +201,17 @@ def test_export_averages_drafts_by_target_token(tcfg, prepared, tmp_path, capsys
     args = [f"--run_dir={run}", f"--out_dir={tmp_path / 'x'}", f"--average_with=[{tmp_path / 'wide' / 'speculators'}]"]
     assert cli(["export", str(tmp_path / "train"), *args]) == 2
     assert "intermediate_size 256" in capsys.readouterr().err
+    # EAGLE 3.1's norms are architecture too: refused against an EAGLE-3 draft, averaged with one of their own
+    export(smollm2_draft(tcfg, draft_vocab=64, fc_norm=True, norm_output=True), tmp_path / "e31", formats=("speculators",))
+    args = [f"--run_dir={run}", f"--out_dir={tmp_path / 'y'}", f"--average_with=[{tmp_path / 'e31' / 'speculators'}]"]
+    assert cli(["export", str(tmp_path / "train"), *args]) == 2
+    assert "fc_norm True (trained draft: False)" in capsys.readouterr().err
+    from eyas.average import average_drafts
+
+    a, b = (smollm2_draft(tcfg, draft_vocab=64, seed=s, fc_norm=True, norm_output=True) for s in (3, 4))
+    want = (a.fc_norm[2].weight + b.fc_norm[2].weight) / 2
+    average_drafts(a, [b], ["b"])
+    torch.testing.assert_close(a.fc_norm[2].weight, want)
 
 
 def test_export_removes_and_overwrites_only_the_files_its_records_say_it_wrote(tcfg, prepared, tmp_path, capsys):

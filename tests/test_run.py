@@ -379,6 +379,20 @@ def test_multi_layer_drafts_are_refused_an_sglang_export_before_anything_runs():
     assert load_config(None, ["--train.num_layers=2", "--export.format=speculators"]).train.num_layers == 2
 
 
+def test_eagle31_norms_are_refused_an_sglang_export_before_anything_runs():
+    from eyas.config import load_config
+    from eyas.errors import ConfigError
+
+    for fmt in ([], ["--export.format=sglang"]):
+        with pytest.raises(ConfigError, match="train.norms='eagle3.1'.*--export.format=speculators"):
+            load_config(None, ["--train.norms=eagle3.1", *fmt])
+    with pytest.raises(ConfigError, match="train.norms='eagle31': choose one of eagle3, eagle3.1"):
+        load_config(None, ["--train.norms=eagle31", "--export.format=speculators"])
+    cfg = load_config(None, ["--train.norms=eagle3.1", "--export.format=speculators"])
+    assert cfg.train.draft_shape()["fc_norm"] and cfg.train.draft_shape()["norm_output"]
+    assert not any(load_config(None, []).train.draft_shape()[k] for k in ("fc_norm", "norm_output"))
+
+
 def test_inputs_inside_the_stage_directories_a_run_replaces_are_refused(tmp_path):
     """A new training replaces RUN_DIR/train, a new evaluation RUN_DIR/evaluate: `eyas run` refuses
     --train.init_from or --evaluate.target_outputs there before any stage runs (it would delete the

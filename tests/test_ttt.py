@@ -16,10 +16,11 @@ from eyas.train.data import pack
 from eyas.ttt import naive_ttt, sdpa_masks, shift_left, ttt_forward, ttt_mask_mod
 
 
-def make_draft(norm_before_residual=False, seed=0, num_layers=1) -> Eagle3Draft:
+def make_draft(norm_before_residual=False, seed=0, num_layers=1, eagle31=False) -> Eagle3Draft:
     cfg = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
                       target_hidden_size=24, num_aux_layers=3, draft_vocab_size=30, vocab_size=60, rope_theta=10000.0,
-                      norm_before_residual=norm_before_residual, num_layers=num_layers)
+                      norm_before_residual=norm_before_residual, num_layers=num_layers, fc_norm=eagle31,
+                      norm_output=eagle31)
     torch.manual_seed(seed)
     m = Eagle3Draft(cfg, torch.randn(60, 32)).double()
     for p in m.parameters():
@@ -37,9 +38,10 @@ def make_samples(lengths, seed=0):
     ]
 
 
-@pytest.mark.parametrize("num_steps,nbr,num_layers", [(7, False, 1), (3, True, 1), (4, False, 2)])
-def test_ttt_matches_the_naive_autoregressive_loop(num_steps, nbr, num_layers):
-    m = make_draft(nbr, num_layers=num_layers)
+@pytest.mark.parametrize("num_steps,nbr,num_layers,eagle31", [(7, False, 1, False), (3, True, 1, False), (4, False, 2, False),
+                                                        (4, False, 1, True), (3, False, 2, True)])
+def test_ttt_matches_the_naive_autoregressive_loop(num_steps, nbr, num_layers, eagle31):
+    m = make_draft(nbr, num_layers=num_layers, eagle31=eagle31)
     samples = make_samples([9, 4, 10])
     b = pack(samples, num_steps, max_tokens=100, pad_multiple=16)
     assert b.input_ids_BS.shape == (1, 32)

@@ -10,6 +10,8 @@ speculators), and a third with two draft layers (vLLM's multi-layer EAGLE-3, spe
 * the fitted draft again with num_layers = 2 (its second layer a plain Llama decoder layer), and a
   copy of it whose second layer's output projections are halved (a tau below the ceiling that
   depends on that layer);
+* the fitted draft again with EAGLE 3.1's norms (train.norms=eagle3.1: fc_norm, norm_output;
+  speculators layout, which SGLang's cannot express);
 * a draft over the whole target vocabulary (W == V): fitted at W = 1024 and moved to V by
   `--train.init_vocab=remap`'s lm_head remap, its rows in a shuffled draft order; exported without
   d2t (rows in target order), served by vLLM without a draft-to-target mapping;
@@ -19,7 +21,7 @@ speculators), and a third with two draft layers (vLLM's multi-layer EAGLE-3, spe
   `eyas train` (offline, 20 steps at lr 3e-3: it overfits those chats on purpose),
   `eyas export --format both`.
 
-For each of the seven exports vLLM must load exactly the exported tensors, aux layers, residual
+For each of the eight exports vLLM must load exactly the exported tensors, aux layers, residual
 variant and RoPE base (read inside vLLM's worker), produce the target-only greedy output, and reach
 the mean acceptance length that eyas's own chain decoding (eyas.spec.speculative_generate) measures
 for the same export read back with load_exported, within TAU_TOL (tau above MIN_TAU, so the
@@ -27,12 +29,13 @@ comparison is not between two useless drafts).
 
 Control drafts with known behaviour: a constant draft (always proposes one token) whose vLLM
 counters must equal exact arithmetic on the target's greedy output, the same draft with a shifted
-d2t (so a d2t mistake is caught), and two mis-served exports of the fitted draft -- aux ids in
-SGLang's convention in vLLM's field, norm_before_residual flipped in config.json -- which vLLM
-loads without complaint and which the tau comparison must reject.
+d2t (so a d2t mistake is caught), and three mis-served exports -- the fitted draft's with aux ids
+in SGLang's convention in vLLM's field or norm_before_residual flipped in config.json, the EAGLE
+3.1 draft's with norm_output flipped off -- which vLLM loads without complaint and which the tau
+comparison must reject.
 
-Runtime on 2 CPU cores (shared, so noisy): ~3-8 minutes (12 vLLM engines in one process; fitting
-~25 s; eyas's stages and chain evaluation of their draft ~20 s).
+Runtime on 2 CPU cores (shared, so noisy): ~4-12 minutes (14 vLLM engines in one process; fitting
+~25-40 s per draft; eyas's stages and chain evaluation of their draft ~20 s; 12 min on 2026-12-06).
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ TAU_TOL = 0.1
 what remains is kernel-level float noise flipping a near-tied argmax and the end of generation
 (vLLM and eyas both finish the step that crosses max_tokens). Both correct drafts are far from
 ties: scaling every weight of the trained one by (1 + 1e-3 noise) leaves eyas's tau unchanged."""
-MIN_TAU = {"fitted": 2.5, "trained": 2.0, "fitted_2layer": 2.5, "fitted_2layer_halved": 2.0, "fitted_full": 2.5}
+MIN_TAU = {"fitted": 2.5, "trained": 2.0, "fitted_2layer": 2.5, "fitted_2layer_halved": 2.0, "fitted_full": 2.5,
+           "fitted_eagle31": 2.5}
 """Below this a draft is too weak for the comparison to mean much (a useless or mis-served draft
 reaches about 1). Measured (K = 3, so at most 4): fitted 3.9-4.0; trained 3.2, where 25 and 30
 training steps give 3.7 and 4.0. The trained run is deterministic (CPU, one thread, fixed seed and
@@ -80,9 +84,10 @@ The two-layer draft is fitted for 30 steps, below the ceiling (3.46 in eyas, 202
 reach 4.0, where a wrong second layer could still match); fitted_full 3.88 (the W = 1024 fit, 3.88
 itself, remapped to V; 2026-12-03); its copy with the second layer's o_proj
 and down_proj halved reads 2.39 (at 50 steps 2.74 in both eyas and vLLM; zeroed 1.88): it agrees
-only if vLLM runs that layer as eyas does."""
+only if vLLM runs that layer as eyas does. fitted_eagle31 3.63 in eyas and vLLM alike (50 steps, below
+the ceiling; 2026-12-06); served with norm_output flipped off both read 2.80."""
 SERVED = {"sglang": "fitted", "speculators": "fitted", "trained_sglang": "trained", "trained_speculators": "trained",
-          "two_layer": "fitted_2layer", "two_layer_halved": "fitted_2layer_halved", "full_vocab": "fitted_full"}
+          "two_layer": "fitted_2layer", "two_layer_halved": "fitted_2layer_halved", "full_vocab": "fitted_full", "eagle31": "fitted_eagle31"}
 """vLLM run -> the draft it serves (the fitted one, or the one from eyas's stages) in one layout."""
 
 
@@ -159,6 +164,11 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     full_outputs, full_stats = chain_eval(target, load_exported(full_vocab["speculators"], embed_VD).eval(), prompts)
     full_in_memory = chain_eval(target, full.eval(), prompts)[1]  # before the export's reordering
 
+    # the fitted draft with EAGLE 3.1's norms (speculators layout: SGLang's has no such norms)
+    draft31 = fitted_draft(target, seqs, aux_layer_ids=AUX, norms="eagle3.1")
+    eagle31 = export_draft(draft31, work / "eagle31", formats=("speculators",), **verifier, num_speculative_tokens=K)
+    e31_outputs, e31_stats = chain_eval(target, load_exported(eagle31["speculators"], embed_VD).eval(), prompts)
+
     # the draft of eyas's own stages (CLI), trained on the target's answers to the same prompts;
     # eyas measures the speculators read-back, vLLM serves both layouts (a cross-check of the two)
     t2 = time.perf_counter()
@@ -177,6 +187,7 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     shifted = export_draft(constant_draft(tcfg, token, shift=1), work / "shifted", formats=("speculators",), **verifier, num_speculative_tokens=K)
     wrong_aux = edit_config(fitted["speculators"], work / "wrong_aux", eagle_aux_hidden_state_layer_ids=[k - 1 for k in AUX])
     flipped = edit_config(fitted["speculators"], work / "flipped_norm", norm_before_residual=True)
+    flipped31 = edit_config(eagle31["speculators"], work / "eagle31_flipped", norm_output=False)
 
     runs = [
         {"name": "target"},
@@ -187,10 +198,12 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
         {"name": "two_layer", "draft": str(two_layer["speculators"]), "k": K},
         {"name": "full_vocab", "draft": str(full_vocab["speculators"]), "k": K},
         {"name": "two_layer_halved", "draft": str(halved["speculators"]), "k": K},
+        {"name": "eagle31", "draft": str(eagle31["speculators"]), "k": K},
         {"name": "constant", "draft": str(const["speculators"]), "k": K},
         {"name": "shifted", "draft": str(shifted["speculators"]), "k": K},
         {"name": "wrong_aux", "draft": str(wrong_aux), "k": K},
         {"name": "flipped_norm", "draft": str(flipped), "k": K},
+        {"name": "eagle31_flipped", "draft": str(flipped31), "k": K},
     ]
     job = {"target": str(smollm2_dir), "dtype": "float32", "max_model_len": 256, "max_tokens": MAX_TOKENS, "prompts": prompts, "runs": runs}
     result = run_vllm(job, work / "run")
@@ -198,9 +211,9 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
         "runs": result["runs"],
         "continuations": conts,
         "eyas_outputs": {"fitted": fitted_outputs, "trained": trained_outputs, "fitted_2layer": two_outputs,
-                         "fitted_2layer_halved": halved_outputs, "fitted_full": full_outputs},
+                         "fitted_2layer_halved": halved_outputs, "fitted_full": full_outputs, "fitted_eagle31": e31_outputs},
         "eyas_stats": {"fitted": fitted_stats, "trained": trained_stats, "fitted_2layer": two_stats,
-                       "fitted_2layer_halved": halved_stats, "fitted_full": full_stats},
+                       "fitted_2layer_halved": halved_stats, "fitted_full": full_stats, "fitted_eagle31": e31_stats},
         "token": token,
         "full_in_memory": full_in_memory,
     }
@@ -212,7 +225,7 @@ def test_vllm_target_matches_transformers(served):
     want = [c[:MAX_TOKENS] for c in served["continuations"]]
     assert served["runs"]["target"]["outputs"] == want
     assert served["eyas_outputs"] == {"fitted": want, "trained": want, "fitted_2layer": want, "fitted_2layer_halved": want,
-                                      "fitted_full": want}
+                                      "fitted_full": want, "fitted_eagle31": want}
 
 
 @pytest.mark.parametrize("run", list(SERVED))
@@ -223,6 +236,9 @@ def test_vllm_loads_exactly_the_exported_draft(served, run):
     assert ins["num_draft_layers"] == (2 if two else 1)
     # every exported tensor is checked where vLLM serves it, the second layer's too
     assert any(k.startswith("layers.1.") for k in ins["tensor_errors"]) == two
+    e31 = run == "eagle31"  # EAGLE 3.1's norms built (and their tensors checked) only for that export
+    assert (ins["num_fc_norms"], ins["norm_output"]) == ((3, True) if e31 else (0, False))
+    assert sorted(k for k in ins["tensor_errors"] if k.startswith("fc_norm.")) == ([f"fc_norm.{k}.weight" for k in range(3)] if e31 else [])
     assert ins["target_aux_layers"] == AUX  # vLLM captures the streams eyas trained on
     assert ins["residual_norm"] == "_norm_after_residual"  # norm_before_residual=False honoured
     assert ins["rope_base"] == 100000.0 and ins["head_size"] == 64
@@ -259,16 +275,19 @@ def test_vllm_control_shifted_d2t_is_caught(served):
     assert got == served_as and got != intended
 
 
-@pytest.mark.parametrize("control", ["wrong_aux", "flipped_norm"])
+@pytest.mark.parametrize("control", ["wrong_aux", "flipped_norm", "eagle31_flipped"])
 def test_vllm_control_mis_served_draft_fails_the_tau_check(served, control):
-    """vLLM loads both silently; only the comparison with eyas's own tau exposes them."""
+    """vLLM loads them silently; only the comparison with eyas's own tau exposes them."""
     run = served["runs"][control]
     assert run["outputs"] == served["runs"]["target"]["outputs"]  # still lossless: only slower
     if control == "wrong_aux":
         assert run["inspect"]["target_aux_layers"] == [k - 1 for k in AUX]
-    else:
+    elif control == "flipped_norm":
         assert run["inspect"]["residual_norm"] == "_norm_before_residual"
-    assert abs(tau(run["spec"]) - served["eyas_stats"]["fitted"].tau) > TAU_TOL, run["spec"]
+    else:  # the EAGLE 3.1 draft fed back its pre-norm state: fc_norm still built and loaded
+        assert (run["inspect"]["num_fc_norms"], run["inspect"]["norm_output"]) == (3, False)
+    draft = "fitted_eagle31" if control == "eagle31_flipped" else "fitted"
+    assert abs(tau(run["spec"]) - served["eyas_stats"][draft].tau) > TAU_TOL, run["spec"]
 
 
 def test_the_whole_vocabulary_export_proposes_what_the_draft_did(served):

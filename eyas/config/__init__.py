@@ -74,6 +74,11 @@ class EyasConfig:
             f"train.num_layers={self.train.num_layers} with export.format={self.export.format!r}: SGLang serves "
             "single-layer EAGLE-3 drafts only; add --export.format=speculators (vLLM serves multi-layer drafts)",
         )
+        require(
+            self.train.norms == "eagle3" or "sglang" not in self.export.formats,
+            f"train.norms={self.train.norms!r} with export.format={self.export.format!r}: SGLang's EAGLE-3 draft has "
+            "no EAGLE 3.1 norms (fc_norm, norm_output); add --export.format=speculators (vLLM serves them)",
+        )
 
     def accept_partial_stages(self) -> list[str]:
         return [n.strip() for n in self.accept_partial.split(",") if n.strip()]

@@ -14,6 +14,7 @@ LOSS_KERNELS = ("auto", "eager", "compiled")
 ALIGN_NORMS = ("valid", "kept")
 INIT_VOCABS = ("same", "remap")
 INIT_HEADS = ("random", "target")
+NORMS = ("eagle3", "eagle3.1")
 FLOAT_KNOBS = ("step_weight", "top1_weight", "lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "grad_clip",
                "max_seconds", "stop_by", "rope_theta", "eval_fraction", "loader_timeout_s")
 
@@ -138,6 +139,13 @@ class TrainConfig:
     norm_before_residual: bool = False
     """Use hidden_norm(h) instead of h as the attention residual (the variant some vLLM /
     speculators checkpoints use); recorded in draft_config.json."""
+    norms: str = "eagle3"
+    """eagle3: EAGLE-3's norms. eagle3.1: EAGLE 3.1's two additions (vLLM's draft config fields
+    `fc_norm` and `norm_output`): each aux state gets an RMSNorm of its own before fc, and the state
+    fed back to the next draft step is the final norm's output (the one lm_head reads) instead of
+    the pre-norm one. vLLM serves it; SGLang's llama_eagle3.py reads neither field, so export it
+    with --export.format=speculators. Not measured here: whether it raises tau on a draft eyas
+    trains is untested."""
     target_device: str = ""
     """Online mode: where the target runs: a device (cuda:1 keeps it off the draft's GPU), or
     auto / balanced / sequential to spread it over the visible GPUs with accelerate's device_map
@@ -217,7 +225,8 @@ class TrainConfig:
         """The train.* keys that shape the draft, as DraftConfig.from_target takes them."""
         return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
                 "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "num_layers": self.num_layers,
-                "rope_theta": self.rope_theta, "norm_before_residual": self.norm_before_residual}
+                "rope_theta": self.rope_theta, "norm_before_residual": self.norm_before_residual,
+                "fc_norm": self.norms == "eagle3.1", "norm_output": self.norms == "eagle3.1"}
 
     def __post_init__(self) -> None:
         # from_dict refuses inf and nan already; a TrainConfig built in code gets the same check
@@ -267,6 +276,7 @@ class TrainConfig:
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
             require(getattr(self, name) >= 0, f"train.{name}={getattr(self, name)} must be >= 0 (0 = the target's)")
         require(self.num_layers >= 1, f"train.num_layers={self.num_layers} must be >= 1")
+        require(self.norms in NORMS, f"train.norms={self.norms!r}: choose one of {', '.join(NORMS)}")
         require(self.rope_theta >= 0, f"train.rope_theta={self.rope_theta} must be >= 0 (0 = the target's)")
         require(0.0 <= self.eval_fraction < 1.0, f"train.eval_fraction={self.eval_fraction} must lie in [0, 1)")
         for name in ("eval_every", "eval_max_batches", "save_every", "keep_checkpoints"):

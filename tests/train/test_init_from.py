@@ -51,6 +51,10 @@ def test_init_from_a_trained_draft_or_its_export(tmp_path, smol_prep, tiny_targe
                      "--train.intermediate_size=64")
     with pytest.raises(ConfigError, match=r"intermediate_size \d+ there, 64 here"):
         build.build_trainer(wider, data, cpu, total_steps=5)
+    eagle31 = tiny_cfg(tmp_path / "n", smol_prep, tiny_target, "--train.mode=online", f"--train.init_from={final}",
+                       "--train.norms=eagle3.1", "--export.format=speculators")
+    with pytest.raises(ConfigError, match="fc_norm False there, True here, norm_output False there, True here"):
+        build.build_trainer(eagle31, data, cpu, total_steps=5)
     d2t = data.d2t.clone()
     d2t[-1] += 1
     with pytest.raises(ArtifactError, match="another draft vocabulary"):
