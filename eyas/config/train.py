@@ -51,9 +51,10 @@ class TrainConfig:
     start; against a one-hot p it is the top-1 cross-entropy. Same definitions as speculators'
     losses, except that eyas sums alpha in log space (log alpha = logsumexp min(log p, log q)), so
     alpha needs no clamp: speculators clamps it at 1e-5, which stops the gradient of every position
-    below (a random draft over more than 100k tokens starts there); here the loss is finite and each
-    position's gradient has an L1 norm of at most 2, as kl's. All three see p renormalised to the
-    draft vocabulary: serving's alpha is lower by up to the target's mass outside it.
+    below (a random draft over more than 100k tokens starts there wherever the target is
+    confident); here the loss is finite and each position's gradient has an L1 norm of at most 2,
+    as kl's. All three see p renormalised to the draft vocabulary: serving's alpha is lower by up to
+    the target's mass outside it.
     train.top1_weight w mixes with whichever is chosen: (1 - w) x this loss + w x the top-1
     cross-entropy (tv lies in [0, 1], the cross-entropy in nats: weigh w accordingly). The logged
     train and held-out losses are this loss: compare accuracies and tau across kinds, not losses.
