@@ -58,7 +58,10 @@ class TrainConfig:
     train.top1_weight w mixes with whichever is chosen: (1 - w) x this loss + w x the top-1
     cross-entropy (tv lies in [0, 1], the cross-entropy in nats: weigh w accordingly). The logged
     train and held-out losses are this loss: compare accuracies and tau across kinds, not losses.
-    Experimental: tv and lk have not been measured in eyas; kl stays the default."""
+    Cost: on the SmolLM2 draft's benchmark step (H100) tv and lk took 1.66x and 2.11x kl's time
+    with the eager loss kernel, 1.04x and 1.21x with train.loss_kernel=compiled, in less memory
+    than kl (docs/benchmarks.md). Experimental: their effect on acceptance has not been measured in
+    eyas; kl stays the default."""
     align_top_k: int = 0
     """Train TTT step i only at positions where the target's top-1 was among the draft's k best at
     every earlier step (GRIFFIN's token-alignable training; 1 = the greedy chain: serving never

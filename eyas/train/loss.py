@@ -46,6 +46,8 @@ rank; with several, as a valid-weighted mean of their kept means).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -71,18 +73,63 @@ def teacher_targets(
     return p_NW, top1_N
 
 
-def soft_loss(z_MW: torch.Tensor, p_MW: torch.Tensor, loss: str) -> torch.Tensor:
-    """Per row: the train.loss between the teacher's p and the draft's q = softmax(z). lk is
-    -logsumexp_w min(log p_w, log q_w) = -log sum_w min(p_w, q_w): summed in log space, alpha never
-    underflows to 0 and needs no clamp (a p_w of 0 is a log of -inf that min passes on and
-    logsumexp skips; some p_w > 0 always)."""
+class Overlap(torch.autograd.Function):
+    """Per row: tv = 1 - alpha or lk = -log alpha, alpha = sum_w min(p_w, q_w), q = softmax(z), with
+    a hand-written backward that keeps only z, the teacher and per-row numbers: autograd through
+    the W-wide ops kept several float32 rows x W tensors per TTT step (the SmolLM2 benchmark step on
+    an H100: 64 GiB peak against kl's 49 GiB; with this backward 42 GiB). It recomputes q in the
+    backward, which costs eager passes (tv 1.66x, lk 2.11x kl's eager step, against 1.31x and 1.57x
+    through autograd) but fuses under train.loss_kernel=compiled (1.04x and 1.21x of compiled kl,
+    against 1.15x and 1.25x; docs/benchmarks.md).
+
+    S = the tokens where q < p (min takes q there): d alpha / d z_j = q_j 1[j in S] - q_j Q,
+    Q = sum_S q. lk's alpha is summed in log space (logsumexp of log q on S, log p elsewhere), so it
+    never underflows to 0 and needs no clamp (a p_w of 0 is a log of -inf that logsumexp skips; some
+    p_w > 0 always), and its gradient divides by alpha as ratios that are each at most 1 where they
+    multiply an unbounded factor: q_j / alpha on S (q_j <= Q <= alpha) and Q / alpha."""
+
+    @staticmethod
+    def forward(ctx, z_MW, p_NW, tix_M, lk: bool):
+        p_MW = p_NW[tix_M]
+        lse_M1 = torch.logsumexp(z_MW, dim=-1, keepdim=True)
+        logq_MW = z_MW - lse_M1
+        q_MW = logq_MW.exp()
+        s_MW = q_MW < p_MW
+        if lk:
+            log_alpha_M1 = torch.logsumexp(torch.where(s_MW, logq_MW, p_MW.log()), dim=-1, keepdim=True)
+            log_q_s_M1 = torch.logsumexp(logq_MW.masked_fill(~s_MW, -math.inf), dim=-1, keepdim=True)
+            ctx.save_for_backward(z_MW, p_NW, tix_M, lse_M1, log_alpha_M1, log_q_s_M1)
+            out_M = -log_alpha_M1.squeeze(-1)
+        else:
+            q_s_M1 = torch.where(s_MW, q_MW, 0.0).sum(-1, keepdim=True)
+            ctx.save_for_backward(z_MW, p_NW, tix_M, lse_M1, q_s_M1)
+            out_M = 1.0 - torch.where(s_MW, q_MW, p_MW).sum(-1)
+        ctx.lk = lk
+        return out_M
+
+    @staticmethod
+    def backward(ctx, g_M):
+        z_MW, p_NW, tix_M, lse_M1, *rest = ctx.saved_tensors
+        logq_MW = z_MW - lse_M1
+        q_MW = logq_MW.exp()
+        s_MW = q_MW < p_NW[tix_M]
+        if ctx.lk:  # -(q_j 1[S] / alpha - q_j Q / alpha)
+            log_alpha_M1, log_q_s_M1 = rest
+            on_s_MW = torch.where(s_MW, (logq_MW - log_alpha_M1).exp(), 0.0)
+            d_MW = q_MW * (log_q_s_M1 - log_alpha_M1).exp() - on_s_MW
+        else:  # d(1 - alpha) = -(q_j 1[S] - q_j Q)
+            (q_s_M1,) = rest
+            d_MW = q_MW * q_s_M1 - torch.where(s_MW, q_MW, 0.0)
+        return g_M[:, None] * d_MW, None, None, None
+
+
+def soft_loss(z_MW: torch.Tensor, p_NW: torch.Tensor, tix_M: torch.Tensor, loss: str) -> torch.Tensor:
+    """Per row: the train.loss between the teacher's p (row tix_M of p_NW) and the draft's
+    q = softmax(z): kl the soft cross-entropy, tv and lk through `Overlap`."""
     if loss == "kl":
-        return F.cross_entropy(z_MW, p_MW, reduction="none")
-    logq_MW = torch.log_softmax(z_MW, dim=-1)
-    if loss == "tv":
-        return 1.0 - torch.minimum(p_MW, logq_MW.exp()).sum(-1)
-    if loss == "lk":
-        return -torch.logsumexp(torch.minimum(p_MW.log(), logq_MW), dim=-1)
+        return F.cross_entropy(z_MW, p_NW[tix_M], reduction="none")
+    if loss in ("tv", "lk"):
+        return Overlap.apply(z_MW, p_NW, tix_M, loss == "lk")
     raise ValueError(f"unknown train.loss {loss!r}")
 
 
@@ -101,7 +148,7 @@ def row_terms(
     the teacher in one pass instead of materialising float32 copies of both. `loss` (train.loss) is
     a constant to torch.compile: one graph per loss kind, compiled once each."""
     z_MW = logits_MW.float()
-    ce_M = soft_loss(z_MW, p_NW[tix_M], loss) if top1_weight < 1.0 else 0.0
+    ce_M = soft_loss(z_MW, p_NW, tix_M, loss) if top1_weight < 1.0 else 0.0
     if top1_weight > 0.0:  # an invalid row's top-1 (-1) reads class 0, masked below
         hard_M = F.cross_entropy(z_MW, top1_M.clamp(min=0), reduction="none")
         ce_M = (1.0 - top1_weight) * ce_M + top1_weight * hard_M
