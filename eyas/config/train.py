@@ -49,18 +49,18 @@ class TrainConfig:
     random draft's alpha is about 1/W). lk: -log alpha (the LK losses paper's, arXiv 2602.23881;
     speculators' `nla`): tv's optimum with the gradient scaled by 1/alpha, so it trains from a random
     start; against a one-hot p it is the top-1 cross-entropy. Same definitions as speculators'
-    losses, except that eyas sums alpha in log space (log alpha = logsumexp min(log p, log q)), so
-    alpha needs no clamp: speculators clamps it at 1e-5, which stops the gradient of every position
-    below (a random draft over more than 100k tokens starts there wherever the target is
-    confident); here the loss is finite and each position's gradient has an L1 norm of at most 2,
-    as kl's. All three see p renormalised to the draft vocabulary: serving's alpha is lower by up to
-    the target's mass outside it.
+    losses except lk's clamp: speculators clamps alpha at 1e-5, which stops the gradient of every
+    position below it (a random draft over more than 100k tokens starts there wherever the target is
+    confident); eyas floors alpha only at the smallest normal float32 (~1.2e-38), so the loss stays
+    finite (<= 87.3) and each position's gradient has an L1 norm of at most 2, as kl's, unless its
+    alpha underflows float32. All three see p renormalised to the draft vocabulary: serving's alpha
+    is lower by up to the target's mass outside it.
     train.top1_weight w mixes with whichever is chosen: (1 - w) x this loss + w x the top-1
     cross-entropy (tv lies in [0, 1], the cross-entropy in nats: weigh w accordingly). The logged
     train and held-out losses are this loss: compare accuracies and tau across kinds, not losses.
-    Cost: on the SmolLM2 draft's benchmark step (H100) tv and lk took 1.66x and 2.11x kl's time
-    with the eager loss kernel, 1.04x and 1.21x with train.loss_kernel=compiled, in less memory
-    than kl (docs/benchmarks.md). Experimental: their effect on acceptance has not been measured in
+    Cost: on the SmolLM2 draft's benchmark step (H100) tv and lk each took 1.27x kl's time with
+    the eager loss kernel (in 37 GiB against kl's 49) and 1.06x with train.loss_kernel=compiled
+    (docs/benchmarks.md). Experimental: their effect on acceptance has not been measured in
     eyas; kl stays the default."""
     align_top_k: int = 0
     """Train TTT step i only at positions where the target's top-1 was among the draft's k best at

@@ -46,8 +46,6 @@ rank; with several, as a valid-weighted mean of their kept means).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -75,52 +73,33 @@ def teacher_targets(
 
 class Overlap(torch.autograd.Function):
     """Per row: tv = 1 - alpha or lk = -log alpha, alpha = sum_w min(p_w, q_w), q = softmax(z), with
-    a hand-written backward that keeps only z, the teacher and per-row numbers: autograd through
-    the W-wide ops kept several float32 rows x W tensors per TTT step (the SmolLM2 benchmark step on
-    an H100: 64 GiB peak against kl's 49 GiB; with this backward 42 GiB). It recomputes q in the
-    backward, which costs eager passes (tv 1.66x, lk 2.11x kl's eager step, against 1.31x and 1.57x
-    through autograd) but fuses under train.loss_kernel=compiled (1.04x and 1.21x of compiled kl,
-    against 1.15x and 1.25x; docs/benchmarks.md).
+    a hand-written backward that keeps only z, the teacher and per-row numbers and recomputes q:
+    autograd through the W-wide ops kept several float32 rows x W tensors per TTT step. On the SmolLM2
+    benchmark step (H100) autograd took 64 GiB and 1.31x (tv) / 1.57x (lk) kl's step time; this
+    backward 37 GiB (kl 49) and 1.27x for both, 1.06x under train.loss_kernel=compiled.
 
     S = the tokens where q < p (min takes q there): d alpha / d z_j = q_j 1[j in S] - q_j Q,
-    Q = sum_S q. lk's alpha is summed in log space (logsumexp of log q on S, log p elsewhere), so it
-    never underflows to 0 and needs no clamp (a p_w of 0 is a log of -inf that logsumexp skips; some
-    p_w > 0 always), and its gradient divides by alpha as ratios that are each at most 1 where they
-    multiply an unbounded factor: q_j / alpha on S (q_j <= Q <= alpha) and Q / alpha."""
+    Q = sum_S q, each term at most alpha (q_j <= Q <= alpha), so lk's gradient, divided by alpha,
+    is bounded. lk floors alpha at the smallest normal float32 (~1.2e-38): the loss stays finite
+    (<= 87.3) and only a position whose alpha underflows float32 loses its gradient."""
 
     @staticmethod
     def forward(ctx, z_MW, p_NW, tix_M, lk: bool):
-        p_MW = p_NW[tix_M]
-        lse_M1 = torch.logsumexp(z_MW, dim=-1, keepdim=True)
-        logq_MW = z_MW - lse_M1
-        q_MW = logq_MW.exp()
-        s_MW = q_MW < p_MW
+        alpha_M = torch.minimum(torch.softmax(z_MW, dim=-1), p_NW[tix_M]).sum(-1)
         if lk:
-            log_alpha_M1 = torch.logsumexp(torch.where(s_MW, logq_MW, p_MW.log()), dim=-1, keepdim=True)
-            log_q_s_M1 = torch.logsumexp(logq_MW.masked_fill(~s_MW, -math.inf), dim=-1, keepdim=True)
-            ctx.save_for_backward(z_MW, p_NW, tix_M, lse_M1, log_alpha_M1, log_q_s_M1)
-            out_M = -log_alpha_M1.squeeze(-1)
-        else:
-            q_s_M1 = torch.where(s_MW, q_MW, 0.0).sum(-1, keepdim=True)
-            ctx.save_for_backward(z_MW, p_NW, tix_M, lse_M1, q_s_M1)
-            out_M = 1.0 - torch.where(s_MW, q_MW, p_MW).sum(-1)
+            alpha_M = alpha_M.clamp(min=torch.finfo(alpha_M.dtype).tiny)
+        ctx.save_for_backward(z_MW, p_NW, tix_M, alpha_M)
         ctx.lk = lk
-        return out_M
+        return -alpha_M.log() if lk else 1.0 - alpha_M
 
     @staticmethod
     def backward(ctx, g_M):
-        z_MW, p_NW, tix_M, lse_M1, *rest = ctx.saved_tensors
-        logq_MW = z_MW - lse_M1
-        q_MW = logq_MW.exp()
-        s_MW = q_MW < p_NW[tix_M]
-        if ctx.lk:  # -(q_j 1[S] / alpha - q_j Q / alpha)
-            log_alpha_M1, log_q_s_M1 = rest
-            on_s_MW = torch.where(s_MW, (logq_MW - log_alpha_M1).exp(), 0.0)
-            d_MW = q_MW * (log_q_s_M1 - log_alpha_M1).exp() - on_s_MW
-        else:  # d(1 - alpha) = -(q_j 1[S] - q_j Q)
-            (q_s_M1,) = rest
-            d_MW = q_MW * q_s_M1 - torch.where(s_MW, q_MW, 0.0)
-        return g_M[:, None] * d_MW, None, None, None
+        z_MW, p_NW, tix_M, alpha_M = ctx.saved_tensors
+        q_MW = torch.softmax(z_MW, dim=-1)
+        on_s_MW = torch.where(q_MW < p_NW[tix_M], q_MW, 0.0)
+        # -d alpha / d z = q Q - q 1[S]; tv's d loss = that, lk's = that / alpha
+        coef_M1 = (g_M / alpha_M if ctx.lk else g_M)[:, None]
+        return torch.addcmul(on_s_MW, q_MW, on_s_MW.sum(-1, keepdim=True), value=-1.0).mul_(-coef_M1), None, None, None
 
 
 def soft_loss(z_MW: torch.Tensor, p_NW: torch.Tensor, tix_M: torch.Tensor, loss: str) -> torch.Tensor:

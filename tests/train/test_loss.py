@@ -118,7 +118,7 @@ def test_compiled_loss_kernel_equals_eager(top1_weight, k, dtype, loss):
     g = torch.Generator().manual_seed(7)
     num_rows, num_teacher, w = 50, 40, 300
     p = torch.softmax(torch.randn(num_teacher, w, generator=g) * 3, -1)
-    p[::4, :20] = 0.0  # underflowed teacher probabilities (lk's log p of -inf)
+    p[::4, :20] = 0.0  # underflowed teacher probabilities
     p /= p.sum(-1, keepdim=True)
     top1 = p.argmax(-1)
     top1[torch.randperm(num_teacher, generator=g)[:5]] = -1
@@ -222,6 +222,19 @@ def test_losses_agree_where_they_must(loss):
     z2 = torch.tensor([[0.3, -0.2, 1.1, 0.0]])
     lk, *_ = step_terms([z2], one_hot, torch.tensor([1]), [rows], [rows], 1, loss="lk")
     assert lk.item() == pytest.approx(-torch.log_softmax(z2, -1)[0, 1].item(), rel=1e-6)
+
+
+def test_lk_of_an_alpha_that_underflows_float32_is_finite():
+    """A draft whose every token the teacher gives 0 where the draft gives mass, and the other way
+    round (alpha underflows float32): lk is -log of the smallest normal float32, its gradient 0, not inf
+    or nan."""
+    p = torch.tensor([[1.0, 0.0, 0.0]])
+    z = torch.tensor([[-200.0, 0.0, 0.0]], requires_grad=True)
+    rows = torch.arange(1)
+    got, *_ = step_terms([z], p, torch.tensor([0]), [rows], [rows], 1, loss="lk")
+    got.sum().backward()
+    assert got.item() == pytest.approx(-math.log(torch.finfo(torch.float32).tiny), rel=1e-6)
+    assert torch.isfinite(z.grad).all()
 
 
 def test_an_unknown_loss_is_refused_naming_the_choices():
