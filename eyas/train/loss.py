@@ -12,8 +12,8 @@ Loss of TTT step i: a soft loss of the draft's W-way distribution q against the 
 (train.loss: kl = the soft cross-entropy -sum p log q, forward KL up to the teacher's entropy;
 tv = 1 - alpha, the total variation 0.5 sum |p - q|; lk = -log alpha; alpha = sum min(p, q), the
 chance that speculative sampling accepts the drafted token), mixed with the cross-entropy against
-the teacher's top-1 by train.top1_weight w ((1 - w) x soft + w x top-1; w = 0: soft only), summed over valid positions
-(loss mask 1 and teacher top-1 in the draft vocab), divided by the global number of valid positions
+the teacher's top-1 by train.top1_weight w ((1 - w) x soft + w x top-1; w = 0: soft only), summed
+over valid positions (loss mask 1 and teacher top-1 in the draft vocab), divided by the global number of valid positions
 of step i (all micro-batches of the optimizer step, all ranks), weighted by step_weight**i and
 summed over i.
 
@@ -74,9 +74,9 @@ def teacher_targets(
 class Overlap(torch.autograd.Function):
     """Per row: tv = 1 - alpha or lk = -log alpha, alpha = sum_w min(p_w, q_w), q = softmax(z), with
     a hand-written backward that keeps only z, the teacher and per-row numbers and recomputes q:
-    autograd through the W-wide ops kept several float32 rows x W tensors per TTT step. On the SmolLM2
-    benchmark step (H100) autograd took 64 GiB and 1.31x (tv) / 1.57x (lk) kl's step time; this
-    backward 37 GiB (kl 49) and 1.27x for both, 1.06x under train.loss_kernel=compiled.
+    autograd through the W-wide ops kept several float32 rows x W tensors per TTT step. On the
+    SmolLM2 benchmark step (H100) autograd took 64 GiB and 1.31x (tv) / 1.57x (lk) kl's step time;
+    this backward 37 GiB (kl 49) and 1.27x for both, 1.06x under train.loss_kernel=compiled.
 
     S = the tokens where q < p (min takes q there): d alpha / d z_j = q_j 1[j in S] - q_j Q,
     Q = sum_S q, each term at most alpha (q_j <= Q <= alpha), so lk's gradient, divided by alpha,
