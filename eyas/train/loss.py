@@ -13,9 +13,9 @@ Loss of TTT step i: a soft loss of the draft's W-way distribution q against the 
 tv = 1 - alpha, the total variation 0.5 sum |p - q|; lk = -log alpha; alpha = sum min(p, q), the
 chance that speculative sampling accepts the drafted token), mixed with the cross-entropy against
 the teacher's top-1 by train.top1_weight w ((1 - w) x soft + w x top-1; w = 0: soft only), summed
-over valid positions (loss mask 1 and teacher top-1 in the draft vocab), divided by the global number of valid positions
-of step i (all micro-batches of the optimizer step, all ranks), weighted by step_weight**i and
-summed over i.
+over valid positions (loss mask 1 and teacher top-1 in the draft vocab), divided by the global
+number of valid positions of step i (all micro-batches of the optimizer step, all ranks), weighted
+by step_weight**i and summed over i.
 
 Accuracy of step i: positions where the draft's top-1 is the teacher's top-1, over all positions
 with loss mask 1 (a teacher top-1 outside the draft vocab is a miss the draft cannot avoid).
