@@ -4,6 +4,7 @@
                                                    #   seq 2048, TTT 7, flex attention, bf16 autocast
     python bench/train.py --compile --pack 2       # torch.compile the decoder step; 2 x 2048 per row
     python bench/train.py --loss-kernel compiled   # the TTT loss under torch.compile (default: eager, as eyas)
+    python bench/train.py --loss lk                # train.loss: -log acceptance, against --loss kl
     python bench/train.py --align-top-k 3 --align-norm kept   # GRIFFIN's mask: its cost against --align-top-k 0
     python bench/train.py --grad-accum 4           # 4 micro-batches per optimizer step: tokens/s and
                                                    #   peak memory against --grad-accum 1
@@ -69,6 +70,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--loss-kernel", default="eager", choices=["auto", "eager", "compiled"],
                    help="train.loss_kernel: each TTT step's loss eager (eyas's default) or under torch.compile "
                         "(auto: compiled on CUDA)")
+    p.add_argument("--loss", default="kl", choices=["kl", "tv", "lk"],
+                   help="train.loss: the soft loss (kl, eyas's default; tv and lk target the acceptance probability)")
     p.add_argument("--align-top-k", type=int, default=0,
                    help="train.align_top_k: GRIFFIN's mask (the recipe's continuations use 3); 0 = off")
     p.add_argument("--align-norm", default="valid", choices=["valid", "kept"],
@@ -153,7 +156,7 @@ def main() -> int:
         f"--train.attention={a.attention}", f"--train.compile={str(a.compile).lower()}", "--train.num_workers=0",
         "--train.warmup_steps=1", f"--train.num_layers={a.num_layers}", "--export.format=speculators",
         f"--train.loss_kernel={a.loss_kernel}", f"--train.align_top_k={a.align_top_k}",
-        f"--train.align_norm={a.align_norm}",
+        f"--train.align_norm={a.align_norm}", f"--train.loss={a.loss}",
     ])
     tr, dcfg = build.build_trainer(cfg, data, device, total_steps=10_000)
     pad = 128 if tr.attention == "flex" else 0
@@ -167,7 +170,7 @@ def main() -> int:
     tokens = sum(b.num_tokens for b in batches)
     print(f"draft {tr.draft.num_trainable_parameters() / 1e6:.1f}M trainable parameters; D {a.hidden}, V {a.vocab}, "
           f"W {a.draft_vocab}, {a.num_layers} draft layer(s), {a.grad_accum} x {a.pack} x {a.seq} tokens per step, TTT {a.ttt}, {tr.attention} attention, "
-          f"compile {a.compile}, loss kernel {a.loss_kernel}, align_top_k {a.align_top_k} ({a.align_norm})", flush=True)
+          f"compile {a.compile}, loss {a.loss}, loss kernel {a.loss_kernel}, align_top_k {a.align_top_k} ({a.align_norm})", flush=True)
     t0 = time.perf_counter()
     for s in range(a.warmup):
         train_step(tr, batches, s)

@@ -322,7 +322,7 @@ def test_online_training_plans_no_extract_stage(tmp_path):
 
 
 def test_a_key_that_changes_the_draft_reruns_train_and_what_follows_not_extract(tmp_path):
-    """train.num_layers, align_top_k, init_from, align_norm, init_vocab and init_head change the
+    """train.num_layers, align_top_k, init_from, align_norm, init_vocab, init_head and loss change the
     draft: train's key, and export's and evaluate's after it, change while extract's does not;
     init_vocab=remap differs from init_from alone; evaluate.target_outputs changes evaluate's key only;
     in online training extract.layer_ids (the aux layers it captures) changes train's key."""
@@ -334,7 +334,8 @@ def test_a_key_that_changes_the_draft_reruns_train_and_what_follows_not_extract(
     changed = [r.run_keys(*r.stage_plan(load_config(str(y), args))) for args in
                (["--train.num_layers=2", "--export.format=speculators"], ["--train.align_top_k=1"],
                 ["--train.init_from=/drafts/a"], ["--train.align_top_k=3", "--train.align_norm=kept"],
-                ["--train.init_from=/drafts/a", "--train.init_vocab=remap"], ["--train.init_head=target"])]
+                ["--train.init_from=/drafts/a", "--train.init_vocab=remap"], ["--train.init_head=target"],
+                ["--train.loss=lk"])]
     for other in changed:
         assert other["extract"] == keys["extract"] and other["train"] != keys["train"] and other["export"] != keys["export"]
         assert other["evaluate"] != keys["evaluate"]

@@ -11,6 +11,7 @@ PRECISIONS = ("auto", "bf16", "fp32")
 PARALLELS = ("auto", "ddp", "fsdp")
 ATTENTIONS = ("auto", "sdpa", "flex")
 LOSS_KERNELS = ("auto", "eager", "compiled")
+LOSSES = ("kl", "tv", "lk")
 ALIGN_NORMS = ("valid", "kept")
 INIT_VOCABS = ("same", "remap")
 INIT_HEADS = ("random", "target")
@@ -38,6 +39,30 @@ class TrainConfig:
     are this mixed loss: compare accuracies, not losses, across values of w. Experimental: on
     SmolLM2-135M w = 1 read below w = 0 on held-out accuracy and MT-bench tau (chain 2.98 against
     3.04 on the same data, docs/benchmarks.md); 0 < w < 1 has not been measured."""
+    loss: str = "kl"
+    """Each position's soft loss between the teacher's distribution p over the draft vocabulary (the
+    target's logits of the draft tokens, softmaxed) and the draft's q; alpha = sum min(p, q) is the
+    chance that speculative sampling accepts the drafted token. kl: the soft cross-entropy
+    -sum p log q (forward KL up to p's entropy; the EAGLE-3 reference's): mass-covering, with strong
+    gradients from a random start. tv: the total variation 0.5 sum |p - q| = 1 - alpha: its minimum
+    is the best acceptance a draft can reach, which kl only approaches through a proxy when the draft
+    cannot match p everywhere; but its gradient is alpha's, tiny while q and p barely overlap (a
+    random draft's alpha is about 1/W). lk: -log alpha (the LK losses paper's, arXiv 2602.23881;
+    speculators' `nla`): tv's optimum with the gradient scaled by 1/alpha, so it trains from a random
+    start; against a one-hot p it is the top-1 cross-entropy. Same definitions as speculators'
+    losses except lk's clamp: speculators clamps alpha at 1e-5, which stops the gradient of every
+    position below it (a random draft over more than 100k tokens starts there wherever the target is
+    confident); eyas floors alpha only at the smallest normal float32 (~1.2e-38), so the loss stays
+    finite (<= 87.3) and each position's gradient has an L1 norm of at most 2, as kl's, unless its
+    alpha underflows float32. All three see p renormalised to the draft vocabulary: serving's alpha
+    is lower by up to the target's mass outside it.
+    train.top1_weight w mixes with whichever is chosen: (1 - w) x this loss + w x the top-1
+    cross-entropy (tv lies in [0, 1], the cross-entropy in nats: weigh w accordingly). The logged
+    train and held-out losses are this loss: compare accuracies and tau across kinds, not losses.
+    Cost: on the SmolLM2 draft's benchmark step (H100) tv and lk each took 1.27x kl's time with
+    the eager loss kernel (in 37 GiB against kl's 49) and 1.06x with train.loss_kernel=compiled
+    (docs/benchmarks.md). Experimental: their effect on acceptance has not been measured in
+    eyas; kl stays the default."""
     align_top_k: int = 0
     """Train TTT step i only at positions where the target's top-1 was among the draft's k best at
     every earlier step (GRIFFIN's token-alignable training; 1 = the greedy chain: serving never
@@ -236,6 +261,7 @@ class TrainConfig:
         require(self.ttt_steps >= 1, f"train.ttt_steps={self.ttt_steps} must be >= 1")
         require(self.step_weight > 0, f"train.step_weight={self.step_weight} must be > 0")
         require(0.0 <= self.top1_weight <= 1.0, f"train.top1_weight={self.top1_weight} must lie in [0, 1]")
+        require(self.loss in LOSSES, f"train.loss={self.loss!r}: choose one of {', '.join(LOSSES)}")
         require(self.align_top_k >= 0, f"train.align_top_k={self.align_top_k} must be >= 0 (0 = off)")
         require(self.align_norm in ALIGN_NORMS,
                 f"train.align_norm={self.align_norm!r}: choose one of {', '.join(ALIGN_NORMS)}")

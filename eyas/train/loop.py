@@ -169,7 +169,7 @@ def num_valid(top1_N: torch.Tensor, tix_T: list[torch.Tensor]) -> torch.Tensor:
 def terms(tr: Trainer, b: Batch, logits_T: list[torch.Tensor], p_NW: torch.Tensor, top1_N: torch.Tensor):
     compiled = tr.tc.loss_kernel == "compiled" or (tr.tc.loss_kernel == "auto" and tr.device.type == "cuda")
     return step_terms(logits_T, p_NW, top1_N, b.tix_T, b.rows_T, b.input_ids_BS.numel(),
-                      tr.tc.top1_weight, tr.tc.align_top_k, compiled)
+                      tr.tc.top1_weight, tr.tc.align_top_k, compiled, tr.tc.loss)
 
 
 def train_step(tr: Trainer, batches: list[Batch], step: int, before_sync=None) -> dict[str, torch.Tensor]:

@@ -8,12 +8,14 @@ chunks of rows so the V-wide logits never exist for the whole batch; its top-1 o
 decides whether the position counts (top-1 inside the draft vocab); the logits of the W draft
 tokens, softmaxed, are the target distribution over the draft vocab.
 
-Loss of TTT step i: soft cross-entropy (forward KL up to the teacher's entropy) of the draft's
-W-way distribution against the teacher, mixed with the cross-entropy against the teacher's top-1
-by train.top1_weight w ((1 - w) x soft + w x top-1; w = 0: soft only), summed over valid positions
-(loss mask 1 and teacher top-1 in the draft vocab), divided by the global number of valid positions
-of step i (all micro-batches of the optimizer step, all ranks), weighted by step_weight**i and
-summed over i.
+Loss of TTT step i: a soft loss of the draft's W-way distribution q against the teacher's p
+(train.loss: kl = the soft cross-entropy -sum p log q, forward KL up to the teacher's entropy;
+tv = 1 - alpha, the total variation 0.5 sum |p - q|; lk = -log alpha; alpha = sum min(p, q), the
+chance that speculative sampling accepts the drafted token), mixed with the cross-entropy against
+the teacher's top-1 by train.top1_weight w ((1 - w) x soft + w x top-1; w = 0: soft only), summed
+over valid positions (loss mask 1 and teacher top-1 in the draft vocab), divided by the global
+number of valid positions of step i (all micro-batches of the optimizer step, all ranks), weighted
+by step_weight**i and summed over i.
 
 Accuracy of step i: positions where the draft's top-1 is the teacher's top-1, over all positions
 with loss mask 1 (a teacher top-1 outside the draft vocab is a miss the draft cannot avoid).
@@ -69,6 +71,47 @@ def teacher_targets(
     return p_NW, top1_N
 
 
+class Overlap(torch.autograd.Function):
+    """Per row: tv = 1 - alpha or lk = -log alpha, alpha = sum_w min(p_w, q_w), q = softmax(z), with
+    a hand-written backward that keeps only z, the teacher and per-row numbers and recomputes q:
+    autograd through the W-wide ops kept several float32 rows x W tensors per TTT step. On the
+    SmolLM2 benchmark step (H100) autograd took 64 GiB and 1.31x (tv) / 1.57x (lk) kl's step time;
+    this backward 37 GiB (kl 49) and 1.27x for both, 1.06x under train.loss_kernel=compiled.
+
+    S = the tokens where q < p (min takes q there): d alpha / d z_j = q_j 1[j in S] - q_j Q,
+    Q = sum_S q, each term at most alpha (q_j <= Q <= alpha), so lk's gradient, divided by alpha,
+    is bounded. lk floors alpha at the smallest normal float32 (~1.2e-38): the loss stays finite
+    (<= 87.3) and only a position whose alpha underflows float32 loses its gradient."""
+
+    @staticmethod
+    def forward(ctx, z_MW, p_NW, tix_M, lk: bool):
+        alpha_M = torch.minimum(torch.softmax(z_MW, dim=-1), p_NW[tix_M]).sum(-1)
+        if lk:
+            alpha_M = alpha_M.clamp(min=torch.finfo(alpha_M.dtype).tiny)
+        ctx.save_for_backward(z_MW, p_NW, tix_M, alpha_M)
+        ctx.lk = lk
+        return -alpha_M.log() if lk else 1.0 - alpha_M
+
+    @staticmethod
+    def backward(ctx, g_M):
+        z_MW, p_NW, tix_M, alpha_M = ctx.saved_tensors
+        q_MW = torch.softmax(z_MW, dim=-1)
+        on_s_MW = torch.where(q_MW < p_NW[tix_M], q_MW, 0.0)
+        # -d alpha / d z = q Q - q 1[S]; tv's d loss = that, lk's = that / alpha
+        coef_M1 = (g_M / alpha_M if ctx.lk else g_M)[:, None]
+        return torch.addcmul(on_s_MW, q_MW, on_s_MW.sum(-1, keepdim=True), value=-1.0).mul_(-coef_M1), None, None, None
+
+
+def soft_loss(z_MW: torch.Tensor, p_NW: torch.Tensor, tix_M: torch.Tensor, loss: str) -> torch.Tensor:
+    """Per row: the train.loss between the teacher's p (row tix_M of p_NW) and the draft's
+    q = softmax(z): kl the soft cross-entropy, tv and lk through `Overlap`."""
+    if loss == "kl":
+        return F.cross_entropy(z_MW, p_NW[tix_M], reduction="none")
+    if loss in ("tv", "lk"):
+        return Overlap.apply(z_MW, p_NW, tix_M, loss == "lk")
+    raise ValueError(f"unknown train.loss {loss!r}")
+
+
 def row_terms(
     logits_MW: torch.Tensor,
     p_NW: torch.Tensor,
@@ -76,13 +119,15 @@ def row_terms(
     top1_M: torch.Tensor,
     train_M: torch.Tensor,
     top1_weight: float,
+    loss: str = "kl",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One TTT step's rows -> (the loss summed over the rows of train_M (with grad), hit_M: the
     draft's top-1 is the teacher's). The logits are read in float32 whatever their dtype; the
     teacher rows are gathered here, so a compiled form (`compiled_row_terms`) reads the logits and
-    the teacher in one pass instead of materialising float32 copies of both."""
+    the teacher in one pass instead of materialising float32 copies of both. `loss` (train.loss) is
+    a constant to torch.compile: one graph per loss kind, compiled once each."""
     z_MW = logits_MW.float()
-    ce_M = F.cross_entropy(z_MW, p_NW[tix_M], reduction="none") if top1_weight < 1.0 else 0.0
+    ce_M = soft_loss(z_MW, p_NW, tix_M, loss) if top1_weight < 1.0 else 0.0
     if top1_weight > 0.0:  # an invalid row's top-1 (-1) reads class 0, masked below
         hard_M = F.cross_entropy(z_MW, top1_M.clamp(min=0), reduction="none")
         ce_M = (1.0 - top1_weight) * ce_M + top1_weight * hard_M
@@ -112,6 +157,7 @@ def step_terms(
     top1_weight: float = 0.0,
     align_top_k: int = 0,
     compiled: bool = False,
+    loss: str = "kl",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per TTT step over this micro-batch -> (loss_sum_T with grad, num_correct_T, num_valid_T,
     num_reached_T: rows of step i alive after the steps before it, num_chain_T: of them, alive
@@ -121,7 +167,7 @@ def step_terms(
     rows_T[i]: the flat rows themselves (< num_rows), which tie a row's steps together;
     top1_weight: the top-1 cross-entropy's share of each position's loss (train.top1_weight);
     align_top_k: train.align_top_k (0 = every valid row trains); compiled: the row terms under
-    torch.compile (`compiled_row_terms`).
+    torch.compile (`compiled_row_terms`); loss: train.loss (kl, tv or lk, `soft_loss`).
     """
     loss_sums, correct, valid, reached, chain, kept = [], [], [], [], [], []
     device = top1_N.device
@@ -132,7 +178,7 @@ def step_terms(
         top1_M = top1_N[tix_M]
         ok_M = top1_M >= 0
         train_M = ok_M & keep_R[rows_M] if align_top_k else ok_M
-        loss_sum, hit_M = terms(logits_MW, p_NW, tix_M, top1_M, train_M, float(top1_weight))
+        loss_sum, hit_M = terms(logits_MW, p_NW, tix_M, top1_M, train_M, float(top1_weight), loss)
         loss_sums.append(loss_sum)
         correct.append(hit_M.sum())
         valid.append(ok_M.sum())

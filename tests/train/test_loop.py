@@ -45,6 +45,33 @@ def test_top1_weight_trains_on_the_teachers_top1(tmp_path, smol_prep, tiny_targe
     torch.testing.assert_close(out["loss_sum_T"].double(), torch.stack(want), rtol=1e-5, atol=1e-4)
 
 
+def test_train_loss_tv_reaches_the_first_step(tmp_path, smol_prep, tiny_target):
+    """--train.loss=tv: the first step's loss per TTT step is the total variation 0.5 sum |p - q|
+    between the target's distribution over the draft vocabulary (its lm_head on the final states,
+    the draft tokens' logits softmaxed) and the draft's, from the draft's logits before the update,
+    summed over loss-mask positions whose target top-1 is in the draft vocab."""
+    from eyas.train.loop import train_step
+
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.loss=tv")
+    data = build.load_data(cfg, torch.device("cpu"))
+    tr, _, _, step, batches = first_window(cfg, data)
+    b = tr.prepare(batches[0])
+    with torch.no_grad():
+        logits_T = tr.forward(b)
+        final_ND = b.final_BSD.flatten(0, 1)[b.teacher_rows_N].double()
+        logits_NV = final_ND @ data.lm_head_VD.T.double()
+        p_NW = torch.softmax(logits_NV[:, data.t2d], -1)  # the draft tokens, in target-id order
+        in_vocab_N = data.t2d[logits_NV.argmax(-1)]
+    want = []
+    for logits_MW, tix_M in zip(logits_T, b.tix_T):
+        ok = in_vocab_N[tix_M]
+        q_MW = torch.softmax(logits_MW[ok].double(), -1)
+        want.append(0.5 * (p_NW[tix_M[ok]] - q_MW).abs().sum())
+    out = train_step(tr, [b], step)
+    assert out["valid_T"].sum() > 50
+    torch.testing.assert_close(out["loss_sum_T"].double(), torch.stack(want), rtol=1e-5, atol=1e-5)
+
+
 FIT_STEPS = 12
 
 

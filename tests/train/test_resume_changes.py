@@ -107,3 +107,21 @@ def test_a_damaged_identity_or_draft_config_is_named_as_damaged_not_as_other_dat
     (ckpt / name).write_text(text[: len(text) // 2])  # cut: no longer JSON
     with pytest.raises(DamagedArtifact, match=f"step_0000002: {name} is damaged"):
         run(resumed(tmp_path, smol_prep, tiny_target, ckpt, "again"))
+
+
+def test_a_new_train_loss_on_resume_is_recorded_as_a_change():
+    """train.loss is a recorded setting: a resume with another loss lists it among the changes
+    (the settings a checkpoint stores against those of the resuming run; no model needed)."""
+    from types import SimpleNamespace
+
+    from eyas.config.train import TrainConfig
+    from eyas.train.resume import changes, settings
+
+    sched = SimpleNamespace(seed=0, world=1, total=8)
+    was = settings(TrainConfig(), sched)
+    state = {"settings": was, "total_steps": 8, "world_size": 1,
+             "optimizer": {"param_groups": [{"initial_lr": was["train.lr"], "betas": was["train.betas"],
+                                             "weight_decay": was["train.weight_decay"]}]}}
+    assert changes(state, settings(TrainConfig(loss="lk"), sched), 3) == [
+        {"step": 3, "key": "train.loss", "from": "kl", "to": "lk"}]
+    assert changes(state, settings(TrainConfig(), sched), 3) == []
