@@ -21,7 +21,7 @@ variant whose flag this checkout lacks fails at once, naming the flag, and the o
 `--add NAME='--train.x=1 --train.y=2'` adds a variant for one run.
 
     baseline   today's draft
-    eagle3.1   --train.norms=eagle3.1
+    eagle3.1   --train.norms=eagle3.1 (and --export.format=speculators: SGLang has no such norms)
     swa        --train.sliding_window=N (N: --window)
     tv         --train.loss=tv
     lk         --train.loss=lk
@@ -112,7 +112,7 @@ class Variant:
 
 VARIANTS = {
     "baseline": Variant(),
-    "eagle3.1": Variant(("--train.norms=eagle3.1",)),
+    "eagle3.1": Variant(("--train.norms=eagle3.1", "--export.format=speculators")),  # SGLang has no EAGLE 3.1 norms
     "swa": Variant(("--train.sliding_window={window}",)),
     "tv": Variant(("--train.loss=tv",)),
     "lk": Variant(("--train.loss=lk",)),
