@@ -307,16 +307,18 @@ def sglang_config(c: DraftConfig, dtype: str) -> dict[str, Any]:
 
 
 def mla_config(c: DraftConfig, dtype: str) -> dict[str, Any]:
-    """The sglang layout of an MLA draft: a DeepSeek-V3 config that vLLM's registry maps to
+    """The sglang layout of an MLA draft: a DeepSeek config that vLLM's registry maps to
     deepseek_eagle3.py (Eagle3DeepseekV3ForCausalLM; its layer reads the MLA sizes and builds a dense
     MLP of intermediate_size) and SGLang's deepseek_eagle3.py serves (its one layer is dense below
-    first_k_dense_replace). The EAGLE-3 fields are sglang_config's."""
+    first_k_dense_replace). model_type is deepseek_v2 (the same MLA fields): vLLM 0.32 turns every
+    draft config of model_type deepseek_v3 into a DeepSeek MTP one (SpeculativeConfig.hf_config_override),
+    which no EAGLE-3 class serves. The EAGLE-3 fields are sglang_config's."""
     cfg = sglang_config(c, dtype)
     for key in ("head_dim", "mlp_bias"):
         del cfg[key]
     cfg.update(
         architectures=["Eagle3DeepseekV3ForCausalLM"],
-        model_type="deepseek_v3",
+        model_type="deepseek_v2",
         q_lora_rank=c.q_lora_rank or None,
         kv_lora_rank=c.kv_lora_rank,
         qk_nope_head_dim=c.qk_nope_head_dim,

