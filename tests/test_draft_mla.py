@@ -58,7 +58,7 @@ def mla_draft(config: dict, seed: int = 0, **overrides) -> Eagle3Draft:
     tcfg = DeepseekV3Config(**{k: v for k, v in config.items() if k != "model_type"})
     cfg = DraftConfig.from_target(tcfg, 30, [1, 2, 3], attention="mla", **overrides)
     torch.manual_seed(seed)
-    draft = Eagle3Draft(cfg, torch.randn(60, 64)).double()
+    draft = Eagle3Draft(cfg, torch.randn(60, cfg.hidden_size)).double()
     with torch.no_grad():
         for p in draft.parameters():
             p.normal_(0, 0.3) if p.dim() > 1 else p.uniform_(0.5, 1.5)
@@ -255,3 +255,36 @@ def test_eyas_run_trains_an_mla_draft_and_evaluates_it_in_vllm_behind_the_mla_ta
     served = json.loads((run / "evaluate" / "vllm-draft" / "sglang" / "config.json").read_text())
     assert served["architectures"] == ["Eagle3DeepseekV3ForCausalLM"]
     assert json.loads((run / "export" / "sglang" / "config.json").read_text())["kv_lora_rank"] == 512
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention's compiled kernels need a GPU")
+def test_flex_ttt_with_an_mla_draft_equals_sdpa_on_cuda():
+    """Training's GPU path (train.attention=auto -> flex): FlexAttention with keys 192 wide and values
+    128 wide (DeepSeek-V3's head sizes), compiled, forward and backward, against the SDPA masks."""
+    from eyas.draft import init_flex_attention
+    from eyas.ttt import flex_masks
+
+    config = dict(target_config(64, True), hidden_size=256, num_attention_heads=2, num_key_value_heads=2,
+                  kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    draft = mla_draft(config, target_hidden_size=24).float().cuda()
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.mul_(0.2) if p.dim() > 1 else None  # keep the float32 attention logits moderate
+    g = torch.Generator().manual_seed(0)
+    samples = [dict(input_ids=torch.randint(0, 60, (n,), generator=g), loss_mask=torch.ones(n, dtype=torch.long),
+                    aux=torch.randn(n, 3, 24, generator=g), final=torch.randn(n, 24, generator=g), id=f"s{j}", index=j)
+               for j, n in enumerate([100, 60, 90])]
+    b = pack(samples, 3, max_tokens=256, pad_multiple=128)
+    aux, ids, pos, doc = (t.cuda() for t in (b.aux_BSKD.float(), b.input_ids_BS, b.pos_BS, b.doc_BS))
+    init_flex_attention()
+    results = []
+    for masks in (sdpa_masks(doc, 3), flex_masks(doc, 3)):
+        draft.zero_grad()
+        outs = ttt_forward(draft, aux, ids, pos, masks)
+        sum(o.square().mean() for o in outs).backward()
+        results.append(([o.detach() for o in outs], draft.midlayer.self_attn.kv_b_proj.weight.grad.clone()))
+    (ref, ref_grad), (got, got_grad) = results
+    real = doc[0] >= 0
+    for r, o in zip(ref, got):
+        torch.testing.assert_close(o[0, real], r[0, real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_grad, ref_grad, rtol=1e-3, atol=1e-4)
