@@ -11,6 +11,9 @@ layers, H heads, Hkv kv heads, d head dim, W draft vocab, V target vocab.
     midlayer.self_attn.{q,k,v}_proj  Linear(2D -> H*d / Hkv*d): input cat([norm(emb), norm(h)])
     midlayer.self_attn.o_proj  Linear(H*d -> D)
     midlayer.post_attention_layernorm, midlayer.mlp.{gate,up,down}_proj  (Llama gated MLP)
+    with attention=mla (an MLA target's own attention, vLLM's deepseek_eagle3.py layout), layer 0's
+    self_attn is `MLAAttention`: {q_a_proj, q_a_layernorm, q_b_proj | q_proj}, kv_a_proj_with_mqa,
+    kv_a_layernorm, kv_b_proj, o_proj; keys carry qk_nope + qk_rope dims, values v_head_dim
     extra_layers.{i}        draft layer i+1 when num_layers > 1: a plain Llama decoder layer
                             (input_layernorm, self_attn.{q,k,v}_proj Linear(D -> ..), o_proj,
                             post_attention_layernorm, mlp) on the residual stream of the layer
@@ -36,6 +39,7 @@ This module knows nothing of distribution (DDP/FSDP wrap it from outside).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +50,8 @@ from torch import nn
 
 SHAPE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                 "num_layers", "target_hidden_size", "num_aux_layers", "aux_layer_ids", "draft_vocab_size",
-                "vocab_size", "norm_before_residual", "fc_norm", "norm_output")
+                "vocab_size", "norm_before_residual", "fc_norm", "norm_output", "attention", "q_lora_rank",
+                "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 """DraftConfig fields two drafts must share to carry weights from one to the other: --train.init_from
 (with the vocabulary, unless remapped) and --export.average_with (whatever the vocabulary)."""
 
@@ -75,6 +80,15 @@ class DraftConfig:
     norm_output: bool = False
     """EAGLE 3.1: the state fed back to the next draft step is norm(h), the one lm_head reads,
     not the pre-norm h (vLLM's `norm_output`)."""
+    # attention=mla: multi-head latent attention with the target's sizes (`mla_shape`); then
+    # num_key_value_heads = num_attention_heads and head_dim = qk_nope_head_dim + qk_rope_head_dim
+    # (the decompressed keys), q_lora_rank 0 = no query compression
+    attention: str = "gqa"
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @classmethod
     def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int], **overrides: Any) -> "DraftConfig":
@@ -110,10 +124,29 @@ class DraftConfig:
         kw.update({k: v for k, v in overrides.items() if v not in (None, 0, "")})
         if "hidden_size" in overrides and overrides["hidden_size"] and "head_dim" not in overrides:
             kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
+        if kw.get("attention") == "mla":
+            kw.update(mla_shape(tcfg, kw["num_attention_heads"]))
         return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def mla_shape(tcfg, num_heads: int) -> dict[str, Any]:
+    """An MLA draft's sizes: the target's own latent and head sizes (its layer is one of the target's
+    attention layers in shape, reading a 2D-wide input). After decompression every head has its own
+    key and value: num_key_value_heads = num_heads, head_dim = the query/key head (no-RoPE + RoPE)."""
+    from eyas.errors import ConfigError
+
+    if not getattr(tcfg, "kv_lora_rank", None):
+        raise ConfigError(
+            f"--train.draft_attention=mla needs a target with multi-head latent attention (kv_lora_rank in its "
+            f"config); this {getattr(tcfg, 'model_type', '?')} target has none: use --train.draft_attention=gqa"
+        )
+    nope, rope = int(tcfg.qk_nope_head_dim), int(tcfg.qk_rope_head_dim)
+    return dict(q_lora_rank=int(getattr(tcfg, "q_lora_rank", None) or 0), kv_lora_rank=int(tcfg.kv_lora_rank),
+                qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(tcfg.v_head_dim),
+                num_key_value_heads=num_heads, head_dim=nope + rope)
 
 
 class RMSNorm(nn.Module):
@@ -228,6 +261,79 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, s, self.h * self.d))
 
 
+def apply_rope_interleaved(x_BHSd: torch.Tensor, cos_BSd: torch.Tensor, sin_BSd: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs (x_2i, x_2i+1), pair i turned by frequency i in place: DeepSeek's
+    layout, which vLLM's MLA serves (is_neox_style=False). cos/sin as `Rotary` returns them (the
+    frequencies twice over): their first half."""
+    half = cos_BSd.shape[-1] // 2
+    cos = cos_BSd[..., :half].unsqueeze(1).to(x_BHSd.dtype)
+    sin = sin_BSd[..., :half].unsqueeze(1).to(x_BHSd.dtype)
+    even, odd = x_BHSd[..., 0::2], x_BHSd[..., 1::2]
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+
+
+def mla_softmax_factor(rope_scaling: dict[str, Any] | None) -> float:
+    """DeepSeek's YaRN also sharpens MLA's softmax by (0.1 * mscale_all_dim * ln(factor) + 1)^2
+    (vLLM's DeepseekV2MLAAttention, DeepSeek-V3's model.py); 1 without YaRN."""
+    s = rope_scaling or {}
+    factor = float(s.get("factor") or 1.0)
+    if s.get("rope_type", s.get("type")) != "yarn" or factor <= 1.0:
+        return 1.0
+    return (0.1 * float(s.get("mscale_all_dim") or 0.0) * math.log(factor) + 1.0) ** 2
+
+
+class MLAAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3), decompressed: the latent c_KV is expanded to
+    per-head keys [k_nope | k_rope] (k_rope one vector shared by the heads) and values of
+    v_head_dim, so callers keep k [B, H, P, dn+dr] and v [B, H, P, dv] caches as for any draft.
+    vLLM serves the same weights in the absorbed form (the same attention, computed on the latent).
+    The softmax scale is (dn+dr)^-0.5 times `mla_softmax_factor`, folded into q."""
+
+    def __init__(self, cfg: DraftConfig, in_dim: int):
+        super().__init__()
+        self.h = self.hkv = cfg.num_attention_heads
+        self.dn, self.dr, self.dv, self.r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(in_dim, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.h * (self.dn + self.dr), bias=False)
+        else:
+            self.q_proj = nn.Linear(in_dim, self.h * (self.dn + self.dr), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(in_dim, self.r + self.dr, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.r, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.r, self.h * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(self.h * self.dv, cfg.hidden_size, bias=False)
+        self.q_factor = mla_softmax_factor(cfg.rope_scaling)
+
+    def qkv(self, x_BSI: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        b, s, _ = x_BSI.shape
+        if hasattr(self, "q_a_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSI)))
+        else:
+            q = self.q_proj(x_BSI)
+        q_BHSd = q.view(b, s, self.h, self.dn + self.dr).transpose(1, 2)
+        c_BSR, k_rope_BSd = self.kv_a_proj_with_mqa(x_BSI).split([self.r, self.dr], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(c_BSR)).view(b, s, self.h, self.dn + self.dv).transpose(1, 2)
+        k_nope, v = kv.split([self.dn, self.dv], dim=-1)
+        q_rope = apply_rope_interleaved(q_BHSd[..., self.dn:], cos, sin)
+        k_rope = apply_rope_interleaved(k_rope_BSd.unsqueeze(1), cos, sin).expand(b, self.h, s, self.dr)
+        q = torch.cat([q_BHSd[..., : self.dn], q_rope], dim=-1)
+        if self.q_factor != 1.0:
+            q = q * self.q_factor
+        return q, torch.cat([k_nope, k_rope], dim=-1), v
+
+    def attend(self, q_BHSd, k_BHPd, v_BHPd, mask_BSP) -> torch.Tensor:
+        """As `Attention.attend` (no grouped heads); values and output heads are v_head_dim wide."""
+        if type(mask_BSP).__name__ == "BlockMask":
+            o = flex_attention(q_BHSd, k_BHPd, v_BHPd, mask_BSP, enable_gqa=False)
+        else:
+            if mask_BSP is not None and mask_BSP.dim() == 3:
+                mask_BSP = mask_BSP.unsqueeze(1)
+            o = F.scaled_dot_product_attention(q_BHSd, k_BHPd, v_BHPd, attn_mask=mask_BSP)
+        b, _, s, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, self.h * self.dv))
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
@@ -250,7 +356,10 @@ class Eagle3Layer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, 2 * cfg.hidden_size)
+        if cfg.attention == "mla":
+            self.self_attn = MLAAttention(cfg, 2 * cfg.hidden_size)
+        else:
+            self.self_attn = Attention(cfg, 2 * cfg.hidden_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -275,11 +384,14 @@ class Eagle3Draft(nn.Module):
                         if cfg.fc_norm else None)
         if cfg.num_layers < 1:
             raise ValueError(f"num_layers={cfg.num_layers}: a draft has at least one layer")
+        if cfg.attention == "mla" and cfg.num_layers != 1:
+            raise ValueError(f"num_layers={cfg.num_layers}: an MLA draft has one layer")
         self.midlayer = Eagle3Layer(cfg)
         self.extra_layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers - 1))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.rotary = Rotary(cfg)
+        # MLA turns only the qk_rope_head_dim part of each head
+        self.rotary = Rotary(dataclasses.replace(cfg, head_dim=cfg.qk_rope_head_dim) if cfg.attention == "mla" else cfg)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         if embed_weight_VD is None:

@@ -202,9 +202,25 @@ KEY_TABLES = {"sglang": SGLANG_KEYS, "speculators": SPECULATORS_KEYS}
 FC_NORM_KEY = "fc_norm.{}.weight"
 
 
-def key_table(fmt: str, num_layers: int = 1, num_fc_norms: int = 0) -> dict[str, str]:
+# an MLA draft (attention=mla) in the sglang layout: DeepSeek's attention names, which vLLM's
+# deepseek_eagle3.py maps (`midlayer.` -> `layers.0.`, q_a_proj + kv_a_proj_with_mqa stacked into
+# fused_qkv_a_proj when q_lora_rank is set, gate/up into gate_up_proj) and SGLang's deepseek_eagle3.py
+# loads as they are; q_proj only without q_lora_rank, q_a_* / q_b_proj only with it
+SGLANG_MLA_KEYS = {
+    **{k: v for k, v in SGLANG_KEYS.items() if ".self_attn." not in k},
+    **{f"midlayer.self_attn.{n}.weight": f"midlayer.self_attn.{n}.weight"
+       for n in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj",
+                 "o_proj")},
+}
+
+
+def key_table(fmt: str, num_layers: int = 1, num_fc_norms: int = 0, attention: str = "gqa") -> dict[str, str]:
     """eyas state_dict name -> exported name for a draft of `num_layers` layers (and `num_fc_norms`
-    fc_norm modules: K with fc_norm, else 0)."""
+    fc_norm modules: K with fc_norm, else 0; `attention` mla: the MLA draft's sglang names)."""
+    if attention == "mla":
+        if fmt != "sglang":
+            raise ArtifactError(f"a {fmt} layout of an MLA draft: only the sglang layout holds one")
+        return dict(SGLANG_MLA_KEYS)
     table = dict(KEY_TABLES[fmt])
     table.update({FC_NORM_KEY.format(k): FC_NORM_KEY.format(k) for k in range(num_fc_norms)})
     if num_layers > 1:
@@ -304,6 +320,30 @@ def sglang_config(c: DraftConfig, dtype: str) -> dict[str, Any]:
     return cfg
 
 
+def mla_config(c: DraftConfig, dtype: str) -> dict[str, Any]:
+    """The sglang layout of an MLA draft: a DeepSeek config that vLLM's registry maps to
+    deepseek_eagle3.py (Eagle3DeepseekV3ForCausalLM; its layer reads the MLA sizes and builds a dense
+    MLP of intermediate_size) and SGLang's deepseek_eagle3.py serves (its one layer is dense below
+    first_k_dense_replace). model_type is deepseek_v2 (the same MLA fields): vLLM 0.32 turns every
+    draft config of model_type deepseek_v3 into a DeepSeek MTP one (SpeculativeConfig.hf_config_override),
+    which no EAGLE-3 class serves. The EAGLE-3 fields are sglang_config's."""
+    cfg = sglang_config(c, dtype)
+    for key in ("head_dim", "mlp_bias"):
+        del cfg[key]
+    cfg.update(
+        architectures=["Eagle3DeepseekV3ForCausalLM"],
+        model_type="deepseek_v2",
+        q_lora_rank=c.q_lora_rank or None,
+        kv_lora_rank=c.kv_lora_rank,
+        qk_nope_head_dim=c.qk_nope_head_dim,
+        qk_rope_head_dim=c.qk_rope_head_dim,
+        v_head_dim=c.v_head_dim,
+        rope_interleave=True,  # pairs (x_2i, x_2i+1), as vLLM's MLA always turns them
+        first_k_dense_replace=1,
+    )
+    return cfg
+
+
 def speculators_config(c: DraftConfig, dtype: str, verifier: str, verifier_arch: list[str], k: int) -> dict[str, Any]:
     return {
         "architectures": ["Eagle3Speculator"],
@@ -327,6 +367,12 @@ def speculators_config(c: DraftConfig, dtype: str, verifier: str, verifier_arch:
 
 
 def check_layout_supported(c: DraftConfig, fmt: str) -> None:
+    if c.attention == "mla" and fmt != "sglang":
+        raise ConfigError(
+            "an MLA draft (--train.draft_attention=mla) in the speculators layout: vLLM's speculators config builds "
+            "only Llama / Qwen3 draft layers; export it with --export.format=sglang (Eagle3DeepseekV3ForCausalLM, which "
+            "vLLM's deepseek_eagle3.py and SGLang load; serve it with --speculative-config)"
+        )
     if fmt != "sglang":
         return
     if c.num_layers != 1:
@@ -407,14 +453,17 @@ def export_draft(
         check_layout_supported(c, fmt)
     written = {}
     for fmt in formats:
-        if fmt == "sglang":
+        if fmt == "sglang" and c.attention == "mla":
+            cfg = mla_config(c, dtype)
+        elif fmt == "sglang":
             cfg = sglang_config(c, dtype)
         else:
             if not verifier:
                 raise ConfigError("the speculators layout names its verifier: pass verifier= (the target's path or hub id)")
             cfg = speculators_config(c, dtype, verifier, verifier_arch or [], num_speculative_tokens)
         path = Path(out_dir) / fmt
-        write_layout(path, cfg, export_tensors(model, key_table(fmt, c.num_layers, num_fc_norms(c)), DTYPES[dtype]))
+        write_layout(path, cfg, export_tensors(model, key_table(fmt, c.num_layers, num_fc_norms(c), c.attention),
+                                                DTYPES[dtype]))
         written[fmt] = path
     return written
 
@@ -425,7 +474,7 @@ def export_draft(
 def detect_layout(config: dict[str, Any]) -> str:
     if config.get("speculators_model_type") == "eagle3":
         return "speculators"
-    if "LlamaForCausalLMEagle3" in (config.get("architectures") or []):
+    if {"LlamaForCausalLMEagle3", "Eagle3DeepseekV3ForCausalLM"} & set(config.get("architectures") or []):
         return "sglang"
     raise ArtifactError(f"config.json is neither an EAGLE-3 speculators nor an SGLang EAGLE-3 config: {config.get('architectures')}")
 
@@ -439,11 +488,17 @@ def exported_draft_config(config: dict[str, Any]) -> DraftConfig:
         from_sglang = hf_ids_from_sglang(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         if from_sglang != hf_ids:
             raise ArtifactError(f"config.json: SGLang ids {from_sglang} (as HF indices) disagree with vLLM ids {hf_ids}")
+    mla = {}
+    if layer.get("kv_lora_rank"):
+        mla = dict(attention="mla", q_lora_rank=layer.get("q_lora_rank") or 0, kv_lora_rank=layer["kv_lora_rank"],
+                   qk_nope_head_dim=layer["qk_nope_head_dim"], qk_rope_head_dim=layer["qk_rope_head_dim"],
+                   v_head_dim=layer["v_head_dim"])
+    head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"] if mla else layer["head_dim"]  # MLA: the key head
     return DraftConfig(
         hidden_size=layer["hidden_size"],
         num_attention_heads=layer["num_attention_heads"],
         num_key_value_heads=layer["num_key_value_heads"],
-        head_dim=layer["head_dim"],
+        head_dim=head_dim,
         intermediate_size=layer["intermediate_size"],
         target_hidden_size=config["target_hidden_size"],
         num_aux_layers=len(hf_ids),
@@ -459,6 +514,7 @@ def exported_draft_config(config: dict[str, Any]) -> DraftConfig:
         num_layers=layer.get("num_hidden_layers", 1),
         fc_norm=bool(config.get("fc_norm", False)),  # vLLM's defaults (update_eagle3, llama_eagle3.py)
         norm_output=bool(config.get("norm_output", False)),
+        **mla,
     )
 
 
@@ -479,7 +535,7 @@ def load_exported(directory: str | Path, embed_weight_VD: torch.Tensor | None = 
         raise ArtifactError(f"{d} is not an exported draft (needs {CONFIG} and {WEIGHTS}): run `eyas export`")
     config = json.loads((d / CONFIG).read_text())
     cfg = exported_draft_config(config)
-    inverse = {v: k for k, v in key_table(detect_layout(config), cfg.num_layers, num_fc_norms(cfg)).items()}
+    inverse = {v: k for k, v in key_table(detect_layout(config), cfg.num_layers, num_fc_norms(cfg), cfg.attention).items()}
     tensors = read_safetensors(d / WEIGHTS, "export", "run `eyas export` again, or use another draft")
     unknown = sorted(set(tensors) - set(inverse))
     if unknown:

@@ -79,6 +79,12 @@ class EyasConfig:
             f"train.norms={self.train.norms!r} with export.format={self.export.format!r}: SGLang's EAGLE-3 draft has "
             "no EAGLE 3.1 norms (fc_norm, norm_output); add --export.format=speculators (vLLM serves them)",
         )
+        require(
+            self.train.draft_attention != "mla" or "speculators" not in self.export.formats,
+            f"train.draft_attention=mla with export.format={self.export.format!r}: vLLM's speculators layout builds "
+            "only Llama / Qwen3 draft layers; set --export.format=sglang (Eagle3DeepseekV3ForCausalLM, the layout vLLM "
+            "and SGLang load an MLA draft from)",
+        )
 
     def accept_partial_stages(self) -> list[str]:
         return [n.strip() for n in self.accept_partial.split(",") if n.strip()]

@@ -10,6 +10,7 @@ MODES = ("offline", "online", "stream")
 PRECISIONS = ("auto", "bf16", "fp32")
 PARALLELS = ("auto", "ddp", "fsdp")
 ATTENTIONS = ("auto", "sdpa", "flex")
+DRAFT_ATTENTIONS = ("gqa", "mla")
 LOSS_KERNELS = ("auto", "eager", "compiled")
 LOSSES = ("kl", "tv", "lk")
 ALIGN_NORMS = ("valid", "kept")
@@ -171,6 +172,13 @@ class TrainConfig:
     the pre-norm one. vLLM serves it; SGLang's llama_eagle3.py reads neither field, so export it
     with --export.format=speculators. Not measured here: whether it raises tau on a draft eyas
     trains is untested."""
+    draft_attention: str = "gqa"
+    """The draft layer's attention: gqa (Llama-style grouped-query attention, any target) or mla
+    (multi-head latent attention with the target's own latent and head sizes, as the published
+    DeepSeek-V3 / Kimi-K2.5 EAGLE-3 drafts have; MLA targets only, one draft layer). An MLA draft is
+    exported in the layout vLLM's deepseek_eagle3.py (Eagle3DeepseekV3ForCausalLM) and SGLang load:
+    --export.format=sglang, served with --speculative-config (vLLM's speculators layout builds only
+    Llama / Qwen3 draft layers)."""
     target_device: str = ""
     """Online mode: where the target runs: a device (cuda:1 keeps it off the draft's GPU), or
     auto / balanced / sequential to spread it over the visible GPUs with accelerate's device_map
@@ -251,7 +259,8 @@ class TrainConfig:
         return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
                 "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "num_layers": self.num_layers,
                 "rope_theta": self.rope_theta, "norm_before_residual": self.norm_before_residual,
-                "fc_norm": self.norms == "eagle3.1", "norm_output": self.norms == "eagle3.1"}
+                "fc_norm": self.norms == "eagle3.1", "norm_output": self.norms == "eagle3.1",
+                "attention": self.draft_attention}
 
     def __post_init__(self) -> None:
         # from_dict refuses inf and nan already; a TrainConfig built in code gets the same check
@@ -303,6 +312,14 @@ class TrainConfig:
             require(getattr(self, name) >= 0, f"train.{name}={getattr(self, name)} must be >= 0 (0 = the target's)")
         require(self.num_layers >= 1, f"train.num_layers={self.num_layers} must be >= 1")
         require(self.norms in NORMS, f"train.norms={self.norms!r}: choose one of {', '.join(NORMS)}")
+        require(self.draft_attention in DRAFT_ATTENTIONS,
+                f"train.draft_attention={self.draft_attention!r}: choose one of {', '.join(DRAFT_ATTENTIONS)}")
+        if self.draft_attention == "mla":
+            require(self.num_layers == 1, f"train.num_layers={self.num_layers} with --train.draft_attention=mla: an MLA "
+                    "draft has one layer (set --train.num_layers=1, or --train.draft_attention=gqa)")
+            for name in ("num_key_value_heads", "head_dim"):
+                require(getattr(self, name) == 0, f"train.{name}={getattr(self, name)} with --train.draft_attention=mla: "
+                        "MLA's key/value heads and head sizes are the target's (leave it 0)")
         require(self.rope_theta >= 0, f"train.rope_theta={self.rope_theta} must be >= 0 (0 = the target's)")
         require(0.0 <= self.eval_fraction < 1.0, f"train.eval_fraction={self.eval_fraction} must lie in [0, 1)")
         for name in ("eval_every", "eval_max_batches", "save_every", "keep_checkpoints"):

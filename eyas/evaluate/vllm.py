@@ -30,7 +30,7 @@ import torch
 
 from eyas import vllm_engine
 from eyas.config import EyasConfig
-from eyas.draft_files import DraftFiles, export_draft, locate, open_draft
+from eyas.draft_files import DraftFiles, export_draft, find, locate, open_draft, read_config
 from eyas.errors import ConfigError
 from eyas.evaluate.decoding import WARMUP_TOKENS, check_draft_files_fit, default_draft_dir, decode_questions
 from eyas.evaluate.inputs import render, stop_token_ids
@@ -80,12 +80,23 @@ def check_supported(cfg: EyasConfig) -> None:
         vllm_engine.on_cpu("evaluate.backend")  # the ConfigError that says how to install it
     if not vllm_engine.on_cpu("evaluate.backend"):
         return
-    if getattr(load_config(cfg.target), "kv_lora_rank", None):
+    if getattr(load_config(cfg.target), "kv_lora_rank", None) and not evaluates_mla_draft(cfg):
         raise ConfigError(f"evaluate.backend=vllm with an MLA target ({cfg.target.model}): vLLM's CPU build cannot "
                           "serve an EAGLE-3 draft behind multi-head latent attention (\"No common block size for 16 "
                           "(CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])\", after the target's load; docs/vllm.md). "
-                          "Evaluate in-process with --evaluate.backend=hf, or on GPUs")
+                          "Evaluate in-process with --evaluate.backend=hf, or on GPUs (an MLA draft, "
+                          "--train.draft_attention=mla, it serves)")
     vllm_engine.check_cpu_workers(cfg.evaluate.vllm_tensor_parallel_size, "evaluate")
+
+
+def evaluates_mla_draft(cfg: EyasConfig) -> bool:
+    """Whether the draft evaluated has MLA attention (vLLM's CPU build serves one behind an MLA target:
+    both attentions then share its CPU MLA block size): evaluate.draft's (or its default's) config when
+    it exists, else the draft this run trains."""
+    files = find(cfg.evaluate.draft or default_draft_dir(cfg))
+    if files is None:  # not trained yet
+        return cfg.train.draft_attention == "mla"
+    return read_config(files).attention == "mla"
 
 
 def served_draft(files: DraftFiles, cfg: EyasConfig, out_dir: Path) -> Path:
@@ -94,11 +105,13 @@ def served_draft(files: DraftFiles, cfg: EyasConfig, out_dir: Path) -> Path:
     if files.kind != "checkpoint":
         return files.dir
     tcfg = load_config(cfg.target)
-    written = export_draft(open_draft(files.dir), out_dir / "vllm-draft", ("speculators",), "float32",
+    draft = open_draft(files.dir)
+    fmt = "sglang" if draft.config.attention == "mla" else "speculators"  # the one layout of an MLA draft
+    written = export_draft(draft, out_dir / "vllm-draft", (fmt,), "float32",
                            num_target_layers=tcfg.num_hidden_layers, verifier=model_path(cfg.target),
                            verifier_arch=list(getattr(load_hf_config(cfg.target), "architectures", None) or []),
                            num_speculative_tokens=cfg.evaluate.num_draft_tokens)
-    return written["speculators"]
+    return written[fmt]
 
 
 def engine(cfg: EyasConfig, draft: Path | None, max_len: int, cpu: bool):
