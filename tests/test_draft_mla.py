@@ -175,7 +175,7 @@ def test_export_in_vllms_deepseek_eagle3_layout_and_back(tmp_path, q_lora):
          "midlayer.self_attn.q_b_proj.weight"} if q_lora else {"midlayer.self_attn.q_proj.weight"}
     assert q | {"midlayer.self_attn.kv_a_proj_with_mqa.weight", "midlayer.self_attn.kv_a_layernorm.weight",
                 "midlayer.self_attn.kv_b_proj.weight", "midlayer.self_attn.o_proj.weight"} <= names
-    assert set(key_table("sglang", 1, "mla").values()) >= names
+    assert set(key_table("sglang", 1, attention="mla").values()) >= names
 
 
 def test_mla_drafts_are_refused_where_they_cannot_be_built_or_served(tmp_path):
