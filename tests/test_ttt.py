@@ -16,10 +16,10 @@ from eyas.train.data import pack
 from eyas.ttt import naive_ttt, sdpa_masks, shift_left, ttt_forward, ttt_mask_mod
 
 
-def make_draft(norm_before_residual=False, seed=0, num_layers=1) -> Eagle3Draft:
+def make_draft(norm_before_residual=False, seed=0, num_layers=1, sliding_window=0) -> Eagle3Draft:
     cfg = DraftConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
                       target_hidden_size=24, num_aux_layers=3, draft_vocab_size=30, vocab_size=60, rope_theta=10000.0,
-                      norm_before_residual=norm_before_residual, num_layers=num_layers)
+                      norm_before_residual=norm_before_residual, num_layers=num_layers, sliding_window=sliding_window)
     torch.manual_seed(seed)
     m = Eagle3Draft(cfg, torch.randn(60, 32)).double()
     for p in m.parameters():
@@ -53,6 +53,52 @@ def test_ttt_matches_the_naive_autoregressive_loop(num_steps, nbr, num_layers):
             rows = max(0, L - 1 - i)  # rows whose step-i input token exists
             torch.testing.assert_close(outs[i][0, start : start + rows], ref_TSD[i, :rows], rtol=1e-9, atol=1e-9)
         start += L
+
+
+@pytest.mark.parametrize("window,num_layers", [(3, 1), (1, 2), (5, 2)])
+def test_windowed_ttt_matches_the_naive_loop_with_its_window(window, num_layers):
+    """A window shorter than the samples: the unroll's masks cut by positions (pos_t + i against
+    pos_t' + j) against the naive loop's KV cache cut by its own tracked positions; and the window
+    really cuts (the unwindowed draft's outputs differ)."""
+    num_steps = 4
+    m = make_draft(num_layers=num_layers, sliding_window=window)
+    samples = make_samples([9, 4, 10])
+    b = pack(samples, num_steps, max_tokens=100, pad_multiple=16)
+    masks = sdpa_masks(b.doc_BS, num_steps, b.pos_BS, window)
+    outs = ttt_forward(m, b.aux_BSKD, b.input_ids_BS, b.pos_BS, masks)
+    full = ttt_forward(m, b.aux_BSKD, b.input_ids_BS, b.pos_BS, sdpa_masks(b.doc_BS, num_steps))
+    start = 0
+    for smp in samples:
+        L = smp["input_ids"].numel()
+        ref_TSD = naive_ttt(m, smp["aux"], smp["input_ids"], num_steps)
+        for i in range(num_steps):
+            rows = max(0, L - 1 - i)
+            torch.testing.assert_close(outs[i][0, start : start + rows], ref_TSD[i, :rows], rtol=1e-9, atol=1e-9)
+        start += L
+    assert not torch.allclose(outs[1][0, :8], full[1][0, :8])
+
+
+def test_windowed_flex_mask_mod_equals_the_sdpa_mask():
+    """The mask_mod materialised on index grids (and through create_block_mask) is the SDPA mask,
+    step by step, over the padded T*S keys flex attends to."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from eyas.ttt import flex_masks
+
+    s, num_steps, window = 128, 3, 7
+    doc = torch.tensor([[0] * 50 + [1] * 60 + [-1] * 18])
+    pos = torch.tensor([list(range(50)) + list(range(60)) + [0] * 18])
+    dense = sdpa_masks(doc, num_steps, pos, window)
+    for i in range(num_steps):
+        mod = ttt_mask_mod(doc, s, torch.tensor(i), pos, window)
+        got = create_mask(mod, 1, None, s, num_steps * s, device="cpu")[0, 0]
+        assert torch.equal(got[:, : (i + 1) * s], dense[i][0]) and not got[:, (i + 1) * s :].any()
+        assert 0 < int(dense[i].sum()) < int(sdpa_masks(doc, num_steps)[i].sum())  # the window cuts
+    for i, bm in enumerate(flex_masks(doc, num_steps, compile=False, pos_BS=pos, window=window)):
+        q_idx, kv_idx = torch.arange(s)[:, None], torch.arange(num_steps * s)[None, :]
+        assert torch.equal(bm.mask_mod(0, 0, q_idx, kv_idx)[:, : (i + 1) * s], dense[i][0])
+        tiles = dense[i][0].view(1, s, i + 1, s).any(-1).any(-2)  # S = one 128-tile: a tile per step block
+        assert torch.equal(bm.to_dense().bool()[0, 0, :, : i + 1], tiles)  # no tile with a key is skipped
 
 
 def test_sdpa_masks_are_the_figure_6_pattern():

@@ -138,6 +138,14 @@ class TrainConfig:
     norm_before_residual: bool = False
     """Use hidden_norm(h) instead of h as the attention residual (the variant some vLLM /
     speculators checkpoints use); recorded in draft_config.json."""
+    sliding_window: int = 0
+    """N > 0: the draft attends only to the last N positions (a query at position p sees keys at
+    p-N+1 .. p), in training (every TTT step, its keys at their RoPE positions), in eyas's decoding
+    and evaluation, and in the export (speculators layout: `sliding_window` plus `layer_types` of
+    "sliding_attention", the keys vLLM's models/llama.py reads). A windowed draft's attention cost
+    and KV cache stop growing with the context, and its acceptance holds up on contexts longer than
+    those it was trained on, where a full-attention draft's falls away. 0 = full attention. The
+    SGLang layout cannot carry it (refused: export with --export.format=speculators)."""
     target_device: str = ""
     """Online mode: where the target runs: a device (cuda:1 keeps it off the draft's GPU), or
     auto / balanced / sequential to spread it over the visible GPUs with accelerate's device_map
@@ -217,7 +225,8 @@ class TrainConfig:
         """The train.* keys that shape the draft, as DraftConfig.from_target takes them."""
         return {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
                 "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "num_layers": self.num_layers,
-                "rope_theta": self.rope_theta, "norm_before_residual": self.norm_before_residual}
+                "rope_theta": self.rope_theta, "norm_before_residual": self.norm_before_residual,
+                "sliding_window": self.sliding_window}
 
     def __post_init__(self) -> None:
         # from_dict refuses inf and nan already; a TrainConfig built in code gets the same check
@@ -267,6 +276,7 @@ class TrainConfig:
         for name in ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"):
             require(getattr(self, name) >= 0, f"train.{name}={getattr(self, name)} must be >= 0 (0 = the target's)")
         require(self.num_layers >= 1, f"train.num_layers={self.num_layers} must be >= 1")
+        require(self.sliding_window >= 0, f"train.sliding_window={self.sliding_window} must be >= 0 (0 = full attention)")
         require(self.rope_theta >= 0, f"train.rope_theta={self.rope_theta} must be >= 0 (0 = the target's)")
         require(0.0 <= self.eval_fraction < 1.0, f"train.eval_fraction={self.eval_fraction} must lie in [0, 1)")
         for name in ("eval_every", "eval_max_batches", "save_every", "keep_checkpoints"):
