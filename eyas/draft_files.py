@@ -50,6 +50,13 @@ Config fields
     speculative_tokens}], default_proposal_method, verifier: {name_or_path, architectures}}`.
     `norm_before_residual` is always written: vLLM's `configs/speculators/algos.py update_eagle3`
     defaults it to **True** when absent, speculators and eyas to False.
+  * a sliding-window draft (DraftConfig.sliding_window = W): `sliding_window: W` and `layer_types:
+    ["sliding_attention"] * num_layers` in the layer config. vLLM 0.32 models/llama.py
+    `LlamaAttention` windows layer i only when `config.layer_types[i] == "sliding_attention"`
+    (index relative to the draft: llama_eagle3.py sets `target_layer_count`) and passes
+    `per_layer_sliding_window=config.sliding_window` to its Attention; a bare `sliding_window`
+    is ignored. SGLang's llama.py builds RadixAttention with no window at all: that layout is
+    refused for such a draft.
 
 Aux-layer ids (eyas's convention: index into HF `output_hidden_states`; 0 = embeddings, k = output of
 decoder layer k-1 = the residual stream entering layer k)
@@ -274,6 +281,9 @@ def _layer_fields(c: DraftConfig, dtype: str) -> dict[str, Any]:
     }
     if c.rope_scaling:
         out["rope_scaling"] = dict(c.rope_scaling)
+    if c.sliding_window:  # vLLM models/llama.py LlamaAttention: config.sliding_window for each
+        out["sliding_window"] = c.sliding_window  # layer whose layer_types entry is "sliding_attention"
+        out["layer_types"] = ["sliding_attention"] * c.num_layers
     return out
 
 
@@ -331,6 +341,13 @@ def check_layout_supported(c: DraftConfig, fmt: str) -> None:
         raise ArtifactError(
             "SGLang's llama_eagle3.py always uses the un-normed residual; this draft was trained with "
             "norm_before_residual=True: export with --export.format=speculators"
+        )
+    if c.sliding_window:
+        raise ConfigError(
+            f"this draft attends through a sliding window of {c.sliding_window} positions, which SGLang cannot "
+            "apply from a draft's config (its llama.py LlamaAttention builds RadixAttention without "
+            "sliding_window_size: it would serve the draft with full attention): export with "
+            "--export.format=speculators (vLLM reads sliding_window and layer_types)"
         )
 
 
@@ -438,7 +455,20 @@ def exported_draft_config(config: dict[str, Any]) -> DraftConfig:
         norm_before_residual=config["norm_before_residual"],
         aux_layer_ids=hf_ids,
         num_layers=layer.get("num_hidden_layers", 1),
+        sliding_window=exported_window(layer),
     )
+
+
+def exported_window(layer: dict[str, Any]) -> int:
+    """The sliding window vLLM applies to a layer config: its `sliding_window` where every entry of
+    `layer_types` is "sliding_attention" (no layer_types: none; vLLM ignores a bare sliding_window)."""
+    types = layer.get("layer_types") or []
+    if not types or not layer.get("sliding_window"):
+        return 0
+    if set(types) != {"sliding_attention"}:
+        raise ArtifactError(f"config.json: layer_types {types} mix windowed and full layers; an eyas draft "
+                            "windows all of its layers or none")
+    return int(layer["sliding_window"])
 
 
 def whole_vocab(cfg: DraftConfig) -> tuple[torch.Tensor, torch.Tensor]:
