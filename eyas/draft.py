@@ -74,7 +74,9 @@ class DraftConfig:
     transformers masking_utils.py `sliding_window_overlay` (kv_idx > q_idx - sliding_window); vLLM
     0.32 v1/attention/backends/flash_attn.py window (sliding_window - 1, 0), flex_attention.py
     |q_idx - kv_idx| < sliding_window, models/llama.py giving a layer `config.sliding_window` when
-    `config.layer_types[i] == "sliding_attention"`. Positions are RoPE positions (a TTT step-i key
+    `config.layer_types[i] == "sliding_attention"`; its CPU backend (v1/attention/backends/cpu_attn.py,
+    the window handed to its C++ kernel) served a windowed SmolLM2 draft at eyas's tau, 4.00, where
+    eyas with a window one shorter / longer reads 3.85 / 3.92 (tests/test_vllm.py). Positions are RoPE positions (a TTT step-i key
     sits at pos_t + i), so `in_window` compares positions, never cache slots. Not a shape field:
     it changes no weight."""
 
