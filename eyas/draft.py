@@ -76,9 +76,9 @@ class DraftConfig:
     |q_idx - kv_idx| < sliding_window, models/llama.py giving a layer `config.sliding_window` when
     `config.layer_types[i] == "sliding_attention"`; its CPU backend (v1/attention/backends/cpu_attn.py,
     the window handed to its C++ kernel) served a windowed SmolLM2 draft at eyas's tau, 4.00, where
-    eyas with a window one shorter / longer reads 3.85 / 3.92 (tests/test_vllm.py). Positions are RoPE positions (a TTT step-i key
-    sits at pos_t + i), so `in_window` compares positions, never cache slots. Not a shape field:
-    it changes no weight."""
+    eyas with a window one shorter / longer reads 3.85 / 3.92 (tests/test_vllm.py). Positions are
+    RoPE positions (a TTT step-i key sits at pos_t + i), so `in_window` compares positions, never
+    cache slots. Not a shape field: it changes no weight."""
 
     @classmethod
     def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int], **overrides: Any) -> "DraftConfig":

@@ -134,10 +134,11 @@ def test_flex_block_masks_match_sdpa():
 
 
 @pytest.mark.filterwarnings("ignore:.*flex_attention.*:UserWarning")
-@pytest.mark.parametrize("num_layers", [1, 2])
-def test_flex_unroll_with_fixed_key_length_matches_the_naive_loop(monkeypatch, num_layers):
+@pytest.mark.parametrize("num_layers,window", [(1, 0), (2, 0), (1, 6)])
+def test_flex_unroll_with_fixed_key_length_matches_the_naive_loop(monkeypatch, num_layers, window):
     """The flex path as training runs it: every step over T*S keys (padding masked by the step
-    tensor in the mask_mod), FlexAttention run eagerly on the CPU, against the naive loop."""
+    tensor in the mask_mod; with a sliding window, cut by position), FlexAttention run eagerly on
+    the CPU, against the naive loop."""
     import eyas.draft
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -146,10 +147,10 @@ def test_flex_unroll_with_fixed_key_length_matches_the_naive_loop(monkeypatch, n
     monkeypatch.setattr(eyas.draft, "_flex_call", lambda q, k, v, bm, enable_gqa: flex_attention(
         q, k, v, block_mask=bm, enable_gqa=enable_gqa))
     num_steps = 3
-    m = make_draft(num_layers=num_layers)
+    m = make_draft(num_layers=num_layers, sliding_window=window)
     samples = make_samples([40, 25, 50])
     b = pack(samples, num_steps, max_tokens=200, pad_multiple=128)
-    masks = flex_masks(b.doc_BS, num_steps, compile=False)
+    masks = flex_masks(b.doc_BS, num_steps, compile=False, pos_BS=b.pos_BS, window=window)
     assert all(bm.shape[-1] == num_steps * 128 for bm in masks)
     with torch.no_grad():  # no FlexAttention backward on CPU
         outs = ttt_forward(m, b.aux_BSKD, b.input_ids_BS, b.pos_BS, masks)

@@ -74,6 +74,12 @@ class EyasConfig:
             f"train.num_layers={self.train.num_layers} with export.format={self.export.format!r}: SGLang serves "
             "single-layer EAGLE-3 drafts only; add --export.format=speculators (vLLM serves multi-layer drafts)",
         )
+        require(
+            self.train.sliding_window == 0 or "sglang" not in self.export.formats,
+            f"train.sliding_window={self.train.sliding_window} with export.format={self.export.format!r}: SGLang "
+            "applies no sliding window from a draft's config (it would serve the draft with full attention); add "
+            "--export.format=speculators (vLLM reads sliding_window and layer_types)",
+        )
 
     def accept_partial_stages(self) -> list[str]:
         return [n.strip() for n in self.accept_partial.split(",") if n.strip()]

@@ -55,10 +55,6 @@ def preflight(cfg: EyasConfig, stages: list[str]) -> None:
         raise ConfigError("extract.device_map splits one target over the GPUs of one process; run it without torchrun")
     if "train" in stages:
         _check_draft_shape(cfg, conf, layer_ids)
-    if cfg.train.sliding_window and "train" in stages and "export" in stages and "sglang" in cfg.export.formats:
-        from eyas.draft_files import check_layout_supported
-
-        check_layout_supported(draft_shape(cfg, conf, layer_ids), "sglang")  # SGLang serves no window
     if "train" in stages and cfg.train.mode == "stream":  # vLLM, Ray, Mooncake here; the window's size
         from eyas.stream import check_stream
 

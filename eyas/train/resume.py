@@ -34,7 +34,8 @@ starts (the checkpoint holds the weights)."""
 DRAFT_KEYS = {"num_attention_heads": "train.num_attention_heads", "num_key_value_heads": "train.num_key_value_heads",
               "head_dim": "train.head_dim", "intermediate_size": "train.intermediate_size",
               "num_layers": "train.num_layers", "rope_theta": "train.rope_theta",
-              "norm_before_residual": "train.norm_before_residual", "num_aux_layers": "extract.layer_ids",
+              "norm_before_residual": "train.norm_before_residual", "sliding_window": "train.sliding_window",
+              "num_aux_layers": "extract.layer_ids",
               "aux_layer_ids": "extract.layer_ids", "draft_vocab_size": "prepare.draft_vocab_size"}
 """A draft_config.json key -> the setting that makes it (any other: the target, target.model)."""
 
