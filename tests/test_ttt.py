@@ -190,3 +190,28 @@ def test_pack_positions_restart_per_sample_and_truncate():
     assert b.pos_BS[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5]
     assert b.doc_BS[0].tolist() == [0] * 5 + [1] * 6
     torch.testing.assert_close(b.aux_BSKD[0, 5:], samples[1]["aux"][:6])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention needs a GPU")
+@pytest.mark.parametrize("window", [0, 9])
+def test_compiled_flex_unroll_equals_sdpa_on_the_gpu(window):
+    """Training's CUDA path: compiled create_block_mask and flex_attention (eyas.draft's one compiled
+    kernel), every step over T*S keys, with and without a sliding window, against the SDPA unroll
+    (fp32; forward and the gradients of every parameter)."""
+    from eyas.ttt import flex_masks
+
+    num_steps = 3
+    m = make_draft(num_layers=2, sliding_window=window).float().cuda()
+    samples = make_samples([140, 60, 90])
+    b = pack(samples, num_steps, max_tokens=400, pad_multiple=128)
+    args = (b.aux_BSKD.float().cuda(), b.input_ids_BS.cuda(), b.pos_BS.cuda())
+    doc = b.doc_BS.cuda()
+    grads = []
+    for masks in (flex_masks(doc, num_steps, pos_BS=args[2], window=window), sdpa_masks(doc, num_steps, args[2], window)):
+        m.zero_grad()
+        outs = ttt_forward(m, *args, masks)
+        sum((o * torch.linspace(-1, 1, o.shape[-1], device="cuda")).sum() for o in outs).backward()
+        grads.append(([o.detach() for o in outs], [p.grad.clone() for p in m.parameters() if p.grad is not None]))
+    for a, b_ in zip(grads[0][0] + grads[0][1], grads[1][0] + grads[1][1]):
+        torch.testing.assert_close(a, b_, rtol=1e-4, atol=1e-4)

@@ -118,14 +118,16 @@ def test_smollm2_static_equals_reference(smollm2_dir, smollm2_tokenizer):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("mode,num_layers", [("chain", 1), ("tree", 1), ("chain", 2), ("tree", 2)])
-def test_cuda_graphs_equal_the_eager_static_path(mode, num_layers):
+@pytest.mark.parametrize("mode,num_layers,window", [("chain", 1, 0), ("tree", 1, 0), ("chain", 2, 0), ("tree", 2, 0),
+                                                    ("chain", 1, 6), ("tree", 1, 6)])
+def test_cuda_graphs_equal_the_eager_static_path(mode, num_layers, window):
     """fp32 on the GPU: graph replays (target forwards, draft extensions, the greedy chain) give the
     tokens and acceptance of the same caches run eagerly, across prompts of several lengths (one-
-    and two-layer drafts)."""
+    and two-layer drafts, full attention or a 6-position sliding window)."""
     torch.manual_seed(0)
     target = tiny_llama(vocab=64, hidden=64, layers=4, seed=5).cuda()
-    draft = random_draft(target, draft_tokens=list(range(0, 64, 2)), seed=2, num_layers=num_layers).cuda()
+    draft = random_draft(target, draft_tokens=list(range(0, 64, 2)), seed=2, num_layers=num_layers,
+                         sliding_window=window).cuda()
     graphed = StaticEngine(target, draft, max_len=256, graphs=True)
     eager = StaticEngine(target, draft, max_len=256, graphs=False)
     kw = dict(max_new_tokens=40, mode=mode, num_draft_tokens=K, tree_depth=3, tree_top_k=3, tree_total_tokens=8)
