@@ -89,6 +89,17 @@ class DraftConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    sliding_window: int = 0
+    """W > 0: every draft layer attends only to keys less than W positions back (a query at position
+    p sees keys at p-W+1 .. p, W keys with its own; 0 = full attention). The engines' convention:
+    transformers masking_utils.py `sliding_window_overlay` (kv_idx > q_idx - sliding_window); vLLM
+    0.32 v1/attention/backends/flash_attn.py window (sliding_window - 1, 0), flex_attention.py
+    |q_idx - kv_idx| < sliding_window, models/llama.py giving a layer `config.sliding_window` when
+    `config.layer_types[i] == "sliding_attention"`; its CPU backend (v1/attention/backends/cpu_attn.py,
+    the window handed to its C++ kernel) served a windowed SmolLM2 draft at eyas's tau, 4.00, where
+    eyas with a window one shorter / longer reads 3.85 / 3.92 (tests/test_vllm.py). Positions are
+    RoPE positions (a TTT step-i key sits at pos_t + i), so `in_window` compares positions, never
+    cache slots. Not a shape field: it changes no weight."""
 
     @classmethod
     def from_target(cls, tcfg, draft_vocab_size: int, aux_layer_ids: list[int], **overrides: Any) -> "DraftConfig":
@@ -186,6 +197,14 @@ class Rotary(nn.Module):
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner(x, position_ids)
+
+
+def in_window(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """bool [.., Sq, Sk]: key at position k_pos within `window` of the query at q_pos (0 = all).
+    Causality is the caller's mask; this only cuts keys W or more positions back."""
+    if window <= 0:
+        return torch.ones(q_pos.shape[-1], k_pos.shape[-1], dtype=torch.bool, device=q_pos.device)
+    return (q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)) < window
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -427,14 +446,18 @@ class Eagle3Draft(nn.Module):
         past_v: torch.Tensor | None = None,
         mask_BSP: torch.Tensor | None = None,
         kv_len: int = 0,
+        key_pos: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One draft step. Keys attended = cat(past_k, this step's k) along the sequence axis.
 
         mask_BSP: bool [B or 1, S, P+S] (True = attend) or a FlexAttention BlockMask over the
         P+S keys; None with no past means causal. kv_len: zero-pad the keys/values to this length
         (fixed shapes for FlexAttention; the mask must block the padding).
-        Returns (prenorm_BSD: the output fed back as h, pre-norm unless config.norm_output;
-        k_BHSd, v_BHSd of this step, after RoPE; with L layers H = L*Hkv, layer by layer).
+        key_pos: positions of the P+S keys (past, then this step's), [P+S] or [B, P+S]: with a
+        sliding window the mask is cut to it (`in_window`); without key_pos the caller's mask must
+        already hold the window (TTT's masks do). None with no past applies it on position_ids.
+        Returns (prenorm_BSD: the output fed back as h, pre-norm unless config.norm_output; k_BHSd,
+        v_BHSd of this step, after RoPE; with L layers H = L*Hkv, layer by layer).
         """
         layer = self.midlayer
         emb = self.embed(input_ids_BS).to(h_BSD.dtype)
@@ -446,6 +469,9 @@ class Eagle3Draft(nn.Module):
             assert past_k is None, "a mask is required when past keys are given"
             s = x.shape[1]
             mask_BSP = torch.ones(s, s, dtype=torch.bool, device=x.device).tril().unsqueeze(0)
+            key_pos = position_ids_BS
+        if self.config.sliding_window and key_pos is not None:
+            mask_BSP = mask_BSP & in_window(position_ids_BS, key_pos, self.config.sliding_window)
         hkv = layer.self_attn.hkv
         keys, values = [], []
         for i, block in enumerate([layer, *self.extra_layers]):

@@ -58,6 +58,13 @@ Config fields
     `norm_before_fc` (one norm over the whole concat) is another design and always written False.
     SGLang's llama_eagle3.py reads neither field and skips the `fc_norm` weights in silence, so
     such a draft is refused for the sglang layout.
+  * a sliding-window draft (DraftConfig.sliding_window = W): `sliding_window: W` and `layer_types:
+    ["sliding_attention"] * num_layers` in the layer config. vLLM 0.32 models/llama.py
+    `LlamaAttention` windows layer i only when `config.layer_types[i] == "sliding_attention"`
+    (index relative to the draft: llama_eagle3.py sets `target_layer_count`) and passes
+    `per_layer_sliding_window=config.sliding_window` to its Attention; a bare `sliding_window`
+    is ignored. SGLang's llama.py builds RadixAttention with no window at all: that layout is
+    refused for such a draft.
 
 Aux-layer ids (eyas's convention: index into HF `output_hidden_states`; 0 = embeddings, k = output of
 decoder layer k-1 = the residual stream entering layer k)
@@ -302,6 +309,9 @@ def _layer_fields(c: DraftConfig, dtype: str) -> dict[str, Any]:
     }
     if c.rope_scaling:
         out["rope_scaling"] = dict(c.rope_scaling)
+    if c.sliding_window:  # vLLM models/llama.py LlamaAttention: config.sliding_window for each
+        out["sliding_window"] = c.sliding_window  # layer whose layer_types entry is "sliding_attention"
+        out["layer_types"] = ["sliding_attention"] * c.num_layers
     return out
 
 
@@ -396,6 +406,13 @@ def check_layout_supported(c: DraftConfig, fmt: str) -> None:
             "train.norms=eagle3.1), which SGLang's llama_eagle3.py cannot express: it builds no fc_norm (the "
             "weights would be skipped in silence) and feeds back the pre-norm state; export with "
             "--export.format=speculators (vLLM serves it)"
+        )
+    if c.sliding_window:
+        raise ConfigError(
+            f"this draft attends through a sliding window of {c.sliding_window} positions, which SGLang cannot "
+            "apply from a draft's config (its llama.py LlamaAttention builds RadixAttention without "
+            "sliding_window_size: it would serve the draft with full attention): export with "
+            "--export.format=speculators (vLLM reads sliding_window and layer_types)"
         )
 
 
@@ -514,6 +531,7 @@ def exported_draft_config(config: dict[str, Any]) -> DraftConfig:
         num_layers=layer.get("num_hidden_layers", 1),
         fc_norm=bool(config.get("fc_norm", False)),  # vLLM's defaults (update_eagle3, llama_eagle3.py)
         norm_output=bool(config.get("norm_output", False)),
+        sliding_window=exported_window(layer),
         **mla,
     )
 
@@ -521,6 +539,18 @@ def exported_draft_config(config: dict[str, Any]) -> DraftConfig:
 def num_fc_norms(cfg: DraftConfig) -> int:
     """How many fc_norm modules the draft holds (one per aux state with EAGLE 3.1's fc_norm)."""
     return cfg.num_aux_layers if cfg.fc_norm else 0
+
+
+def exported_window(layer: dict[str, Any]) -> int:
+    """The sliding window vLLM applies to a layer config: its `sliding_window` where every entry of
+    `layer_types` is "sliding_attention" (no layer_types: none; vLLM ignores a bare sliding_window)."""
+    types = layer.get("layer_types") or []
+    if not types or not layer.get("sliding_window"):
+        return 0
+    if set(types) != {"sliding_attention"}:
+        raise ArtifactError(f"config.json: layer_types {types} mix windowed and full layers; an eyas draft "
+                            "windows all of its layers or none")
+    return int(layer["sliding_window"])
 
 
 def whole_vocab(cfg: DraftConfig) -> tuple[torch.Tensor, torch.Tensor]:

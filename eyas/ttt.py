@@ -13,7 +13,9 @@ Alignment (t = a position of the packed row; every index below stays inside t's 
 
     keys seen by step i at row t: the step-0 keys of rows t' <= t of the same sample (positions
     pos_t'), and the step-j keys of row t itself for 1 <= j <= i (positions pos_t + j) — the
-    "diagonal" of EAGLE-3's Figure 6.
+    "diagonal" of EAGLE-3's Figure 6. With a sliding window W (draft.config.sliding_window) the
+    step-i query at position pos_t + i sees only those keys less than W positions back:
+    pos_t + i - pos_t' < W for step-0 keys, i - j < W on the diagonal (eyas.draft.in_window).
 
 This is what serving does: vLLM and SGLang run the draft once over the verified tokens (row t
 consumes aux_t and token t+1 at the position of t), then each further draft token at the next
@@ -36,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from eyas.draft import Eagle3Draft
+from eyas.draft import Eagle3Draft, in_window
 from eyas.errors import ConfigError
 
 
@@ -48,26 +50,40 @@ def shift_left(x_BS: torch.Tensor, k: int, fill) -> torch.Tensor:
     return torch.cat([x_BS[:, k:], pad], dim=1)
 
 
-def sdpa_masks(doc_BS: torch.Tensor, num_steps: int) -> list[torch.Tensor]:
-    """Boolean masks [B, S, (i+1)*S] for steps i = 0..T-1 (True = may attend)."""
+def sdpa_masks(doc_BS: torch.Tensor, num_steps: int, pos_BS: torch.Tensor | None = None,
+               window: int = 0) -> list[torch.Tensor]:
+    """Boolean masks [B, S, (i+1)*S] for steps i = 0..T-1 (True = may attend); with `window` > 0
+    (needs pos_BS) step i's query at pos_t + i keeps the keys less than `window` positions back."""
     s = doc_BS.shape[1]
     idx = torch.arange(s, device=doc_BS.device)
     causal_SS = idx[None, :] <= idx[:, None]
     block0_BSS = causal_SS[None] & (doc_BS[:, :, None] == doc_BS[:, None, :])
     eye_BSS = torch.eye(s, dtype=torch.bool, device=doc_BS.device)[None].expand_as(block0_BSS)
-    return [torch.cat([block0_BSS] + [eye_BSS] * i, dim=-1) for i in range(num_steps)]
+    masks = [torch.cat([block0_BSS] + [eye_BSS] * i, dim=-1) for i in range(num_steps)]
+    if window <= 0:
+        return masks
+    assert pos_BS is not None, "a sliding window needs the positions"
+    # keys of step j at row t' sit at position pos_t' + j
+    key_pos_BK = torch.cat([pos_BS + j for j in range(num_steps)], dim=-1)
+    return [m & in_window(pos_BS + i, key_pos_BK[:, : (i + 1) * s], window) for i, m in enumerate(masks)]
 
 
-def ttt_mask_mod(doc_BS: torch.Tensor, s: int, step: torch.Tensor | None = None):
+def ttt_mask_mod(doc_BS: torch.Tensor, s: int, step: torch.Tensor | None = None,
+                 pos_BS: torch.Tensor | None = None, window: int = 0):
     """FlexAttention mask_mod over keys cat(step 0, ..., step i), each block S long. With `step`
     (a 0-d tensor = i) the keys may run on past block i (padding up to T blocks): blocks after
-    step i are masked."""
+    step i are masked. With `window` > 0 (needs `step` and pos_BS): the query at row q sits at
+    position pos_q + step and keeps the keys at pos_r + blk less than `window` back."""
+    assert window <= 0 or (step is not None and pos_BS is not None), "a sliding window needs the step and positions"
 
     def mask_mod(b, h, q, kv):
         blk, r = kv // s, kv % s
         first = (r <= q) & (doc_BS[b, q] == doc_BS[b, r])
         later = r == q if step is None else (r == q) & (blk <= step)
-        return torch.where(blk == 0, first, later)
+        keep = torch.where(blk == 0, first, later)
+        if window > 0:
+            keep = keep & ((pos_BS[b, q] + step) - (pos_BS[b, r] + blk) < window)
+        return keep
 
     return mask_mod
 
@@ -75,7 +91,8 @@ def ttt_mask_mod(doc_BS: torch.Tensor, s: int, step: torch.Tensor | None = None)
 _block_mask_compiled = None
 
 
-def flex_masks(doc_BS: torch.Tensor, num_steps: int, compile: bool = True) -> list:
+def flex_masks(doc_BS: torch.Tensor, num_steps: int, compile: bool = True, pos_BS: torch.Tensor | None = None,
+               window: int = 0) -> list:
     """FlexAttention BlockMasks with the semantics of `sdpa_masks` (S a multiple of 128), every
     step over the same key length T*S: step i's keys are padded past block i (`ttt_forward` does
     it), the padding is masked, and its tiles are skipped. One shape for all steps compiles the
@@ -92,7 +109,7 @@ def flex_masks(doc_BS: torch.Tensor, num_steps: int, compile: bool = True) -> li
     b, s = doc_BS.shape
     out = []
     for i in range(num_steps):
-        mod = ttt_mask_mod(doc_BS, s, torch.tensor(i, device=doc_BS.device))
+        mod = ttt_mask_mod(doc_BS, s, torch.tensor(i, device=doc_BS.device), pos_BS, window)
         out.append(make(mod, b, None, s, num_steps * s, device=doc_BS.device) if compile
                    else make(mod, b, None, s, num_steps * s, device=doc_BS.device, _compile=False))
     return out
@@ -149,25 +166,33 @@ def naive_ttt(
 
     Prefill rows 0..t (h = fc(aux_j), token j+1, position j) with a causal mask; then draft step
     i >= 1 feeds the previous output back with token t+1+i at position t+i, attending to the
-    KV cache (prefill + earlier steps). -> prenorm [T, S, D]; rows whose tokens run past the
+    KV cache (prefill + earlier steps). With a sliding window W every query sees only the cached
+    keys whose positions lie less than W back (the cache's positions are tracked here, as a
+    serving engine's cache slots are). -> prenorm [T, S, D]; rows whose tokens run past the
     sample are zero.
     """
     s = input_ids_S.shape[0]
+    w = draft.config.sliding_window or s + num_steps  # no window: every key is near enough
+
+    def seen(q_pos: list[int], k_pos: list[int]) -> torch.Tensor:
+        return torch.tensor([[p >= kp and p - kp < w for kp in k_pos] for p in q_pos])[None]
+
     h_SD = draft.fuse(aux_SKD[None])[0]
     out_TSD = torch.zeros(num_steps, s, h_SD.shape[-1], dtype=h_SD.dtype)
     for t in range(s - 1):
         ids = input_ids_S[1 : t + 2][None]
-        pos = torch.arange(t + 1)[None]
-        h, k_cache, v_cache = draft.forward_step(ids, h_SD[: t + 1][None], pos)
+        cache_pos = list(range(t + 1))
+        h, k_cache, v_cache = draft.forward_step(ids, h_SD[: t + 1][None], torch.tensor([cache_pos]),
+                                                 mask_BSP=seen(cache_pos, cache_pos))
         h = h[:, -1:]
         out_TSD[0, t] = h[0, 0]
         for i in range(1, num_steps):
             if t + 1 + i >= s:
                 break
             ids = input_ids_S[t + 1 + i].view(1, 1)
-            pos = torch.tensor([[t + i]])
-            mask = torch.ones(1, 1, k_cache.shape[2] + 1, dtype=torch.bool)
-            h, k, v = draft.forward_step(ids, h, pos, k_cache, v_cache, mask)
+            cache_pos.append(t + i)
+            mask = seen([t + i], cache_pos)
+            h, k, v = draft.forward_step(ids, h, torch.tensor([[t + i]]), k_cache, v_cache, mask)
             k_cache, v_cache = torch.cat([k_cache, k], 2), torch.cat([v_cache, v], 2)
             out_TSD[i, t] = h[0, 0]
     return out_TSD

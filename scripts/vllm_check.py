@@ -150,6 +150,8 @@ def inspect_worker(worker, exported_path: str) -> dict:
         "d2t_equal": None if d2t is None or "d2t" not in tensors else bool(torch.equal(d2t.cpu(), tensors["d2t"])),
         "d2t_loaded": d2t is not None,
         "embed_shared": drafter.model.embed_tokens is target.model.embed_tokens,
+        "sliding_window": [getattr(lyr.self_attn.attn, "sliding_window", None) for lyr in drafter.model.layers],
+        "impl_sliding_window": [getattr(lyr.self_attn.attn.impl, "sliding_window", None) for lyr in drafter.model.layers],
         "tensor_errors": checks,
     }
 

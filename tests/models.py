@@ -232,6 +232,7 @@ def fitted_draft(
     target, sequences: list[list[int]], aux_layer_ids=(2, 15, 27), draft_vocab: int = 512,
     steps: int = 50, ttt_steps: int = 3, lr: float = 3e-3, seed: int = 0, intermediate_size: int = 512,
     decoy_shifts: tuple[int, ...] = (-1, 1), num_layers: int = 1, norms: str = "eagle3",
+    sliding_window: int = 0,
 ) -> Eagle3Draft:  # fmt: skip
     """Fit a draft to the target's greedy predictions on `sequences` (packed, 3-step TTT).
 
@@ -271,7 +272,7 @@ def fitted_draft(
     torch.manual_seed(seed)
     cfg = DraftConfig.from_target(tcfg, draft_vocab_size=draft_vocab, aux_layer_ids=list(aux_layer_ids),
                                   intermediate_size=intermediate_size, num_layers=num_layers,
-                                  fc_norm=norms == "eagle3.1", norm_output=norms == "eagle3.1")
+                                  fc_norm=norms == "eagle3.1", norm_output=norms == "eagle3.1", sliding_window=sliding_window)
     draft = Eagle3Draft(cfg, target.get_input_embeddings().weight.float())
     draft.set_vocab(d2t, t2d)
     # step i at row t reads token t+1+i and predicts the target's argmax after it
@@ -284,7 +285,7 @@ def fitted_draft(
         lab = target_to_draft(teacher_S[src.clamp(max=n - 1)], t2d)
         targets_T.append(torch.where(ok, lab, torch.full_like(lab, -100)))
     decoy = torch.full_like(targets_T[0], int(np.flatnonzero(~np.isin(sel, used))[0]))
-    masks = sdpa_masks(doc, ttt_steps)
+    masks = sdpa_masks(doc, ttt_steps, pos, sliding_window)  # sliding_window > 0: trained with that window
     opt = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     for _ in range(steps):
         outs = ttt_forward(draft, aux_BSKD, ids, pos, masks)

@@ -271,3 +271,18 @@ def test_multi_layer_decoding_with_a_cache_matches_the_full_forward(tmp_path):
     save_draft(random_draft(small_cfg()), tmp_path)
     (tmp_path / "draft_config.json").write_text(json.dumps(old))
     assert load_draft(tmp_path).config.num_layers == 1
+
+
+def test_sliding_window_is_transformers_convention():
+    """in_window on a causal mask is transformers' own sliding-window mask (masking_utils'
+    causal_mask_function and sliding_window_overlay: kv_idx > q_idx - W): a query sees its own key
+    and W - 1 before it, never the key W positions back."""
+    from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
+
+    from eyas.draft import in_window
+
+    q, k = torch.arange(20), torch.arange(20)
+    for w in (1, 3, 8):
+        want = and_masks(causal_mask_function, sliding_window_overlay(w))(0, 0, q[:, None], k[None, :])
+        assert torch.equal(in_window(q, k, w) & (k[None] <= q[:, None]), want)
+        assert int(want[10].sum()) == w and not want[10, 10 - w]

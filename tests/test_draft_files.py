@@ -321,3 +321,25 @@ def test_eagle31_norms_are_refused_for_the_sglang_layout(tcfg, tmp_path):
         with pytest.raises(ArtifactError, match="--export.format=speculators"):
             export(smollm2_draft(tcfg, **flags), tmp_path, formats=("sglang",))
     assert not (tmp_path / "sglang").exists()
+
+
+def test_sliding_window_export_writes_the_keys_vllm_reads_and_reads_back(tcfg, tmp_path):
+    """A windowed draft: `sliding_window` and one "sliding_attention" per layer in the layer config
+    (vLLM models/llama.py windows a layer only through layer_types), read back with its window and
+    the same outputs (which the window changes); SGLang, which cannot apply it, is refused."""
+    from eyas.errors import ConfigError
+
+    draft = smollm2_draft(tcfg, num_layers=2, sliding_window=3).eval()
+    out = export(draft, tmp_path, formats=("speculators",), dtype="float32")["speculators"]
+    layer = json.loads((out / "config.json").read_text())["transformer_layer_config"]
+    assert (layer["sliding_window"], layer["layer_types"]) == (3, ["sliding_attention"] * 2)
+    back = load_exported(out)
+    assert back.config == draft.config and back.config.sliding_window == 3
+    logits_a, _ = draft_outputs(draft)
+    assert torch.equal(logits_a, draft_outputs(back)[0])
+    draft.config.sliding_window = 0
+    assert not torch.allclose(logits_a, draft_outputs(draft)[0])  # positions 3.. lose keys to the window
+    full = json.loads((export(draft, tmp_path / "full", formats=("speculators",))["speculators"] / "config.json").read_text())
+    assert not {"sliding_window", "layer_types"} & set(full["transformer_layer_config"])
+    with pytest.raises(ConfigError, match="export.format=speculators"):
+        export(smollm2_draft(tcfg, sliding_window=3), tmp_path / "sg", formats=("sglang",))

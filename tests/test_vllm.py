@@ -12,6 +12,9 @@ speculators), and a third with two draft layers (vLLM's multi-layer EAGLE-3, spe
   depends on that layer);
 * the fitted draft again with EAGLE 3.1's norms (train.norms=eagle3.1: fc_norm, norm_output;
   speculators layout, which SGLang's cannot express);
+* the fitted draft with a sliding window of WINDOW positions, shorter than every prompt (trained
+  and decoded by eyas with that window; exported with sliding_window and layer_types, which vLLM's
+  models/llama.py reads);
 * a draft over the whole target vocabulary (W == V): fitted at W = 1024 and moved to V by
   `--train.init_vocab=remap`'s lm_head remap, its rows in a shuffled draft order; exported without
   d2t (rows in target order), served by vLLM without a draft-to-target mapping;
@@ -29,13 +32,13 @@ comparison is not between two useless drafts).
 
 Control drafts with known behaviour: a constant draft (always proposes one token) whose vLLM
 counters must equal exact arithmetic on the target's greedy output, the same draft with a shifted
-d2t (so a d2t mistake is caught), and three mis-served exports -- the fitted draft's with aux ids
+d2t (so a d2t mistake is caught), and four mis-served exports -- the fitted draft's with aux ids
 in SGLang's convention in vLLM's field or norm_before_residual flipped in config.json, the EAGLE
-3.1 draft's with norm_output flipped off -- which vLLM loads without complaint and which the tau
-comparison must reject.
+3.1 draft's with norm_output flipped off, and the windowed draft with its window removed from
+config.json -- which vLLM loads without complaint and which the tau comparison must reject.
 
-Runtime on 2 CPU cores (shared, so noisy): ~4-12 minutes (14 vLLM engines in one process; fitting
-~25-40 s per draft; eyas's stages and chain evaluation of their draft ~20 s; 12 min on 2026-12-06).
+Runtime on 2 CPU cores (shared, so noisy): ~5-13 minutes (16 vLLM engines in one process; fitting
+~25-40 s per draft; eyas's stages and chain evaluation of their draft ~20 s).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ what remains is kernel-level float noise flipping a near-tied argmax and the end
 (vLLM and eyas both finish the step that crosses max_tokens). Both correct drafts are far from
 ties: scaling every weight of the trained one by (1 + 1e-3 noise) leaves eyas's tau unchanged."""
 MIN_TAU = {"fitted": 2.5, "trained": 2.0, "fitted_2layer": 2.5, "fitted_2layer_halved": 2.0, "fitted_full": 2.5,
-           "fitted_eagle31": 2.5}
+           "fitted_eagle31": 2.5, "fitted_windowed": 2.5}
 """Below this a draft is too weak for the comparison to mean much (a useless or mis-served draft
 reaches about 1). Measured (K = 3, so at most 4): fitted 3.9-4.0; trained 3.2, where 25 and 30
 training steps give 3.7 and 4.0. The trained run is deterministic (CPU, one thread, fixed seed and
@@ -87,8 +90,11 @@ and down_proj halved reads 2.39 (at 50 steps 2.74 in both eyas and vLLM; zeroed 
 only if vLLM runs that layer as eyas does. fitted_eagle31 3.63 in eyas and vLLM alike (50 steps, below
 the ceiling; 2026-12-06); served with norm_output flipped off both read 2.80."""
 SERVED = {"sglang": "fitted", "speculators": "fitted", "trained_sglang": "trained", "trained_speculators": "trained",
-          "two_layer": "fitted_2layer", "two_layer_halved": "fitted_2layer_halved", "full_vocab": "fitted_full", "eagle31": "fitted_eagle31"}
+          "two_layer": "fitted_2layer", "two_layer_halved": "fitted_2layer_halved", "full_vocab": "fitted_full", "eagle31": "fitted_eagle31",
+          "windowed": "fitted_windowed"}
 """vLLM run -> the draft it serves (the fitted one, or the one from eyas's stages) in one layout."""
+WINDOW = 8
+"""The windowed draft's sliding window: shorter than every chat-templated prompt (35-41 tokens)."""
 
 
 def tau(counts: dict) -> float:
@@ -168,6 +174,15 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     draft31 = fitted_draft(target, seqs, aux_layer_ids=AUX, norms="eagle3.1")
     eagle31 = export_draft(draft31, work / "eagle31", formats=("speculators",), **verifier, num_speculative_tokens=K)
     e31_outputs, e31_stats = chain_eval(target, load_exported(eagle31["speculators"], embed_VD).eval(), prompts)
+    # the fitted draft with a sliding window (trained with it), and its export with the window removed
+    draft_w = fitted_draft(target, seqs, aux_layer_ids=AUX, sliding_window=WINDOW)
+    windowed = export_draft(draft_w, work / "windowed", formats=("speculators",), **verifier, num_speculative_tokens=K)
+    win_outputs, win_stats = chain_eval(target, load_exported(windowed["speculators"], embed_VD).eval(), prompts)
+    layer = json.loads((windowed["speculators"] / "config.json").read_text())["transformer_layer_config"]
+    assert layer["layer_types"] == ["sliding_attention"] and layer["sliding_window"] == WINDOW
+    no_window = {k: v for k, v in layer.items() if k not in ("sliding_window", "layer_types")}
+    window_removed = edit_config(windowed["speculators"], work / "window_removed", transformer_layer_config=no_window)
+    removed_stats = chain_eval(target, load_exported(window_removed, embed_VD).eval(), prompts)[1]
 
     # the draft of eyas's own stages (CLI), trained on the target's answers to the same prompts;
     # eyas measures the speculators read-back, vLLM serves both layouts (a cross-check of the two)
@@ -204,6 +219,8 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
         {"name": "wrong_aux", "draft": str(wrong_aux), "k": K},
         {"name": "flipped_norm", "draft": str(flipped), "k": K},
         {"name": "eagle31_flipped", "draft": str(flipped31), "k": K},
+        {"name": "windowed", "draft": str(windowed["speculators"]), "k": K},
+        {"name": "window_removed", "draft": str(window_removed), "k": K},
     ]
     job = {"target": str(smollm2_dir), "dtype": "float32", "max_model_len": 256, "max_tokens": MAX_TOKENS, "prompts": prompts, "runs": runs}
     result = run_vllm(job, work / "run")
@@ -211,9 +228,11 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
         "runs": result["runs"],
         "continuations": conts,
         "eyas_outputs": {"fitted": fitted_outputs, "trained": trained_outputs, "fitted_2layer": two_outputs,
-                         "fitted_2layer_halved": halved_outputs, "fitted_full": full_outputs, "fitted_eagle31": e31_outputs},
+                         "fitted_2layer_halved": halved_outputs, "fitted_full": full_outputs, "fitted_eagle31": e31_outputs,
+                         "fitted_windowed": win_outputs},
         "eyas_stats": {"fitted": fitted_stats, "trained": trained_stats, "fitted_2layer": two_stats,
-                       "fitted_2layer_halved": halved_stats, "fitted_full": full_stats, "fitted_eagle31": e31_stats},
+                       "fitted_2layer_halved": halved_stats, "fitted_full": full_stats, "fitted_eagle31": e31_stats,
+                       "fitted_windowed": win_stats, "fitted_window_removed": removed_stats},
         "token": token,
         "full_in_memory": full_in_memory,
     }
@@ -225,7 +244,7 @@ def test_vllm_target_matches_transformers(served):
     want = [c[:MAX_TOKENS] for c in served["continuations"]]
     assert served["runs"]["target"]["outputs"] == want
     assert served["eyas_outputs"] == {"fitted": want, "trained": want, "fitted_2layer": want, "fitted_2layer_halved": want,
-                                      "fitted_full": want, "fitted_eagle31": want}
+                                      "fitted_full": want, "fitted_eagle31": want, "fitted_windowed": want}
 
 
 @pytest.mark.parametrize("run", list(SERVED))
@@ -245,6 +264,8 @@ def test_vllm_loads_exactly_the_exported_draft(served, run):
     full = run == "full_vocab"  # W == V: no d2t exported, none built (vLLM maps nothing)
     assert ins["d2t_loaded"] == (not full) and ins["d2t_equal"] == (None if full else True)
     assert ins["embed_shared"]  # no embed_tokens exported: the target's embedding is used
+    window = WINDOW if run == "windowed" else None  # every draft layer's attention windowed, or none
+    assert ins["sliding_window"] == [window] * ins["num_draft_layers"]
     bad = {k: v for k, v in ins["tensor_errors"].items() if isinstance(v, str) or v > 1e-4}
     assert not bad, bad
 
@@ -288,6 +309,20 @@ def test_vllm_control_mis_served_draft_fails_the_tau_check(served, control):
         assert (run["inspect"]["num_fc_norms"], run["inspect"]["norm_output"]) == (3, False)
     draft = "fitted_eagle31" if control == "eagle31_flipped" else "fitted"
     assert abs(tau(run["spec"]) - served["eyas_stats"][draft].tau) > TAU_TOL, run["spec"]
+
+
+def test_vllm_control_window_removed_fails_the_tau_check(served):
+    """The windowed draft served without its window (sliding_window and layer_types dropped from
+    config.json): vLLM attends to every key, lossless but off the draft eyas trained and measured,
+    so its tau leaves eyas's windowed one, and lands on what eyas measures for that export (full
+    attention). Measured 2026-12-06: windowed 4.00 in both, window removed 3.23 in both; eyas at
+    window 7 / 9 (a key at distance W seen or one more cut) 3.85 / 3.92, so vLLM's CPU backend cuts
+    exactly where eyas does (a query sees keys less than W positions back)."""
+    run = served["runs"]["window_removed"]
+    assert run["outputs"] == served["runs"]["target"]["outputs"]
+    assert run["inspect"]["sliding_window"] == [None]
+    assert abs(tau(run["spec"]) - served["eyas_stats"]["fitted_windowed"].tau) > TAU_TOL, run["spec"]
+    assert abs(tau(run["spec"]) - served["eyas_stats"]["fitted_window_removed"].tau) <= TAU_TOL, run["spec"]
 
 
 def test_the_whole_vocabulary_export_proposes_what_the_draft_did(served):

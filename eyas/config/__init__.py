@@ -85,6 +85,12 @@ class EyasConfig:
             "only Llama / Qwen3 draft layers; set --export.format=sglang (Eagle3DeepseekV3ForCausalLM, the layout vLLM "
             "and SGLang load an MLA draft from)",
         )
+        require(
+            self.train.sliding_window == 0 or "sglang" not in self.export.formats,
+            f"train.sliding_window={self.train.sliding_window} with export.format={self.export.format!r}: SGLang "
+            "applies no sliding window from a draft's config (it would serve the draft with full attention); add "
+            "--export.format=speculators (vLLM reads sliding_window and layer_types)",
+        )
 
     def accept_partial_stages(self) -> list[str]:
         return [n.strip() for n in self.accept_partial.split(",") if n.strip()]

@@ -96,6 +96,13 @@ class EvaluateConfig:
     cuda_graphs), bench file, questions and max_new_tokens, checked before any model loads, and
     every prompt is rendered again from them and compared. Every greedy evaluation that decodes
     target-only writes that file."""
+    context_tokens: int = 0
+    """N > 0: a long-context evaluation. Ahead of each question's first turn go earlier turns of real
+    conversations (user/assistant pairs of the embedded ShareGPT, in file order, none used twice),
+    as many as it takes for that first prompt to render to at least N tokens; later turns keep
+    them. It measures a draft on contexts longer than its training rows or its sliding window
+    (train.sliding_window): run once with 0 and once with N and compare tau_chain / tau_tree (each
+    run's results.json `settings.context_tokens` says which). 0 = the bench's prompts alone."""
     max_seconds: float = 0.0
     """Wall-clock budget of the decoding (0 = none). Questions are taken in order, each decoded by
     every decoder (target-only, chain, tree) before the next; after the first, no question is
@@ -120,6 +127,7 @@ class EvaluateConfig:
 
     def __post_init__(self) -> None:
         require(self.max_context >= 16, f"evaluate.max_context={self.max_context} must be >= 16")
+        require(self.context_tokens >= 0, f"evaluate.context_tokens={self.context_tokens} must be >= 0 (0 = none)")
         require(self.max_seconds >= 0, f"evaluate.max_seconds={self.max_seconds} must be >= 0 (0 = no budget)")
         require(self.tie_tolerance == -1 or 0 <= self.tie_tolerance <= 0.1,
                 f"evaluate.tie_tolerance={self.tie_tolerance}: a relative logit gap in [0, 0.1], or -1 (by dtype)")

@@ -179,6 +179,14 @@ class TrainConfig:
     exported in the layout vLLM's deepseek_eagle3.py (Eagle3DeepseekV3ForCausalLM) and SGLang load:
     --export.format=sglang, served with --speculative-config (vLLM's speculators layout builds only
     Llama / Qwen3 draft layers)."""
+    sliding_window: int = 0
+    """N > 0: the draft attends only to the last N positions (a query at position p sees keys at
+    p-N+1 .. p), in training (every TTT step, its keys at their RoPE positions), in eyas's decoding
+    and evaluation, and in the export (speculators layout: `sliding_window` plus `layer_types` of
+    "sliding_attention", the keys vLLM's models/llama.py reads). A windowed draft's attention cost
+    and KV cache stop growing with the context, and its acceptance holds up on contexts longer than
+    those it was trained on, where a full-attention draft's falls away. 0 = full attention. The
+    SGLang layout cannot carry it (refused: export with --export.format=speculators)."""
     target_device: str = ""
     """Online mode: where the target runs: a device (cuda:1 keeps it off the draft's GPU), or
     auto / balanced / sequential to spread it over the visible GPUs with accelerate's device_map
@@ -260,7 +268,8 @@ class TrainConfig:
                 "head_dim": self.head_dim, "intermediate_size": self.intermediate_size, "num_layers": self.num_layers,
                 "rope_theta": self.rope_theta, "norm_before_residual": self.norm_before_residual,
                 "fc_norm": self.norms == "eagle3.1", "norm_output": self.norms == "eagle3.1",
-                "attention": self.draft_attention}
+                "attention": self.draft_attention,
+                "sliding_window": self.sliding_window}
 
     def __post_init__(self) -> None:
         # from_dict refuses inf and nan already; a TrainConfig built in code gets the same check
@@ -320,6 +329,7 @@ class TrainConfig:
             for name in ("num_key_value_heads", "head_dim"):
                 require(getattr(self, name) == 0, f"train.{name}={getattr(self, name)} with --train.draft_attention=mla: "
                         "MLA's key/value heads and head sizes are the target's (leave it 0)")
+        require(self.sliding_window >= 0, f"train.sliding_window={self.sliding_window} must be >= 0 (0 = full attention)")
         require(self.rope_theta >= 0, f"train.rope_theta={self.rope_theta} must be >= 0 (0 = the target's)")
         require(0.0 <= self.eval_fraction < 1.0, f"train.eval_fraction={self.eval_fraction} must lie in [0, 1)")
         for name in ("eval_every", "eval_max_batches", "save_every", "keep_checkpoints"):

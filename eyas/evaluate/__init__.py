@@ -56,7 +56,7 @@ from eyas.errors import EyasError, describe_exception, exception_message
 from eyas.evaluate.decoding import Setup, decode_questions, decoder, load_setup, warm_up
 from eyas.draft_files import DraftFiles
 from eyas.evaluate.inputs import (TARGET_OUTPUTS, bench_hash, load_bench, outputs_key, read_target_outputs, replay,
-                                  write_target_outputs)
+                                  with_context, write_target_outputs)
 from eyas.evaluate.lossless import check_lossless, score_divergence, tie_tolerance
 from eyas.evaluate.report import collect_results, format_table
 from eyas.evaluate.teacher_forced import teacher_forced_chain
@@ -97,6 +97,7 @@ def in_process(cfg: EyasConfig, questions: list[dict[str, Any]], out_dir: Path):
     key = outputs_key(cfg, questions)
     reused, stored = read_target_outputs(ec.target_outputs, key) if ec.target_outputs else (None, None)
     s = load_setup(cfg)
+    questions = with_context(questions, s.tok, ec.context_tokens)
     simulate = ec.mode == "simulate"  # target-only decoding, the chain simulated from it
     modes = [] if simulate else ["chain", "tree"] if ec.mode == "both" else [ec.mode]
     check = ec.temperature == 0 and ec.lossless_check and not simulate
@@ -178,6 +179,7 @@ def settings(s: Setup, ec) -> dict[str, Any]:
         "dtype": str(s.dtype).replace("torch.", ""),
         "draft": str(s.draft_files.dir),
         "bench": ec.bench,
+        "context_tokens": ec.context_tokens,
         "backend": "hf",
     }
 

@@ -133,7 +133,7 @@ def run_conversations(
     -> one record per turn: id, turn, prompt_tokens, tokens, wall_s, stats."""
     out = []
     for q in questions:
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, str]] = list(q.get("history", []))  # evaluate.context_tokens' earlier turns
         for turn, user in enumerate(q["turns"]):
             messages.append({"role": "user", "content": user})
             ids = render(tok, messages)

@@ -63,6 +63,38 @@ def _bench_record(path: Path, lineno: int, line: str) -> dict[str, Any]:
     return {"id": str(rec.get("question_id", rec.get("id", lineno))), "turns": turns}
 
 
+def with_context(questions: list[dict[str, Any]], tok, min_tokens: int) -> list[dict[str, Any]]:
+    """evaluate.context_tokens: each question with a `history` of earlier real turns (the embedded
+    ShareGPT's user/assistant pairs, in order, none used twice) long enough that its first turn
+    renders to >= min_tokens tokens; 0 = the questions unchanged."""
+    if min_tokens <= 0:
+        return questions
+    pairs = sharegpt_pairs()
+    out = []
+    for q in questions:
+        history: list[dict[str, str]] = []
+        while len(render(tok, history + [{"role": "user", "content": q["turns"][0]}])) < min_tokens:
+            pair = next(pairs, None)
+            if pair is None:
+                raise ConfigError(f"evaluate.context_tokens={min_tokens}: the embedded ShareGPT ran out of turns "
+                                  f"before question {q['id']}; use fewer questions or a smaller context")
+            history += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}]
+        out.append({**q, "history": history})
+    return out
+
+
+def sharegpt_pairs():
+    """(user, assistant) texts of consecutive human/gpt turns of the embedded ShareGPT, in order."""
+    from eyas.assets import iter_json_array, sharegpt_path
+
+    for _, rec in iter_json_array(sharegpt_path()):
+        turns = rec.get("conversations") or []
+        for a, b in zip(turns, turns[1:]):
+            if (a.get("from"), b.get("from")) == ("human", "gpt") and str(a.get("value", "")).strip() \
+                    and str(b.get("value", "")).strip():
+                yield a["value"], b["value"]
+
+
 def bench_hash(bench: str) -> str:
     from eyas.assets import mtbench_path
 
@@ -116,6 +148,8 @@ def outputs_key(cfg: EyasConfig, questions: list[dict[str, Any]]) -> dict[str, A
     key = {"target": target, "dtype": str(dtype).replace("torch.", ""), "device": device.type,
            "bench": bench_hash(cfg.evaluate.bench), "questions": [q["id"] for q in questions],
            "max_new_tokens": cfg.evaluate.max_new_tokens}
+    if cfg.evaluate.context_tokens:  # the prompts carry earlier turns
+        key["context_tokens"] = cfg.evaluate.context_tokens
     if device.type == "cuda":  # static caches and graphs round bf16 otherwise than transformers' own decoding
         key["cuda_graphs"] = cfg.evaluate.cuda_graphs
     return key

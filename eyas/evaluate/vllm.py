@@ -33,7 +33,7 @@ from eyas.config import EyasConfig
 from eyas.draft_files import DraftFiles, export_draft, find, locate, open_draft, read_config
 from eyas.errors import ConfigError
 from eyas.evaluate.decoding import WARMUP_TOKENS, check_draft_files_fit, default_draft_dir, decode_questions
-from eyas.evaluate.inputs import render, stop_token_ids
+from eyas.evaluate.inputs import render, stop_token_ids, with_context
 from eyas.evaluate.lossless import tie_scale, tie_tolerance
 from eyas.evaluate.report import collect_results
 from eyas.spec import Generation, SpecStats
@@ -209,6 +209,7 @@ def evaluate(cfg: EyasConfig, questions: list[dict[str, Any]], out_dir: Path) ->
     draft = served_draft(files, cfg, out_dir)
     seed = cfg.seed if ec.seed < 0 else ec.seed
     runner = Runner(tok, stop_token_ids(tok, _generation_config(cfg)))
+    questions = with_context(questions, tok, ec.context_tokens)
     first = torch.tensor(render(tok, [{"role": "user", "content": questions[0]["turns"][0]}]))
     k = ec.num_draft_tokens
 
@@ -245,7 +246,7 @@ def evaluate(cfg: EyasConfig, questions: list[dict[str, Any]], out_dir: Path) ->
     results["settings"] = {
         "mode": "chain", "temperature": ec.temperature, "max_new_tokens": ec.max_new_tokens, "num_draft_tokens": k,
         "seed": seed, "device": "cpu" if cpu else "cuda", "dtype": str(dtype).removeprefix("torch."),
-        "draft": str(files.dir), "served_draft": str(draft), "bench": ec.bench, "backend": "vllm",
+        "draft": str(files.dir), "served_draft": str(draft), "bench": ec.bench, "context_tokens": ec.context_tokens, "backend": "vllm",
         "vllm": {"version": _version(), "tensor_parallel_size": ec.vllm_tensor_parallel_size,
                  "enable_expert_parallel": ec.vllm_enable_expert_parallel},
     }

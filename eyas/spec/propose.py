@@ -12,6 +12,11 @@ the token; step i >= 1 sits at position L-2+i (each token's real sequence positi
 
 `draft` is an `eyas.draft.Eagle3Draft` or anything with the same `fuse`, `forward_step`, `logits`
 and `d2t` (tests/spec/known_drafts.py has a control draft that runs the target).
+
+A sliding-window draft (config.sliding_window > 0) gets the positions of every key it attends to
+(`window_kw`): the committed entries sit at their own positions (cache index = position, as the
+step-0 entries are appended in order), a chain's scratch entries too, a tree's level-l nodes all at
+last_pos + l.
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ def to_target_ids(draft, draft_ids: torch.Tensor) -> torch.Tensor:
     return draft_ids + draft.d2t.index_select(0, draft_ids.reshape(-1)).view(draft_ids.shape)
 
 
+def window_kw(draft, key_pos: torch.Tensor) -> dict:
+    """forward_step's key_pos for a sliding-window draft; nothing for any other (a draft without a
+    window, or a control draft whose forward_step takes no key_pos)."""
+    return {"key_pos": key_pos} if getattr(getattr(draft, "config", None), "sliding_window", 0) else {}
+
+
 def extend(
     draft, dcache: DraftCache, next_tokens_S: torch.Tensor, aux_SKD: torch.Tensor, start_pos: int
 ) -> torch.Tensor:
@@ -45,7 +56,9 @@ def extend(
     pos_1S = torch.arange(start_pos, start_pos + s, device=h_1SD.device).unsqueeze(0)
     # row i sees all committed entries and the new ones up to itself
     mask_1SP = torch.ones(s, start_pos + s, dtype=torch.bool, device=h_1SD.device).tril(start_pos).unsqueeze(0)
-    pre_1SD, k, v = draft.forward_step(next_tokens_S.unsqueeze(0), h_1SD, pos_1S, dcache.k, dcache.v, mask_1SP)
+    key_pos = torch.arange(start_pos + s, device=h_1SD.device)
+    pre_1SD, k, v = draft.forward_step(next_tokens_S.unsqueeze(0), h_1SD, pos_1S, dcache.k, dcache.v, mask_1SP,
+                                       **window_kw(draft, key_pos))
     dcache.append(k, v)
     dcache.commit()
     return pre_1SD[:, -1:]
@@ -82,7 +95,8 @@ def draft_chain(
             break
         pos_11 = torch.full((1, 1), last_pos + i + 1, device=h.device)
         mask_11P = torch.ones(1, 1, len(dcache) + 1, dtype=torch.bool, device=h.device)
-        h, k, v = draft.forward_step(tok.view(1, 1), h, pos_11, dcache.k, dcache.v, mask_11P)
+        key_pos = torch.arange(len(dcache) + 1, device=h.device)  # entry j at position j; this step's at last_pos+i+1
+        h, k, v = draft.forward_step(tok.view(1, 1), h, pos_11, dcache.k, dcache.v, mask_11P, **window_kw(draft, key_pos))
         dcache.append(k, v)
         logits_W = draft.logits(h)[0, 0]
     return torch.stack(tokens), (torch.stack(qs) if qs else None)
@@ -118,6 +132,7 @@ def draft_tree(
     frontier_cands_F = torch.arange(k, device=device)  # candidate index of each frontier node
     frontier_h_1FD = h_11D.expand(1, k, h_11D.shape[-1])
     anc_FS = torch.zeros(k, 0, dtype=torch.bool, device=device)  # frontier x scratch cache entries
+    scratch_pos = torch.zeros(0, dtype=torch.long, device=device)  # position of each scratch entry
     cand_tokens, cand_parents = [frontier_tokens_F], [torch.full((k,), -1, device=device)]
     cand_scores, cand_depths = [frontier_scores_F], [torch.full((k,), 1, device=device)]
     num_cands = k
@@ -132,10 +147,13 @@ def draft_tree(
             dim=1,
         )
         pos_1F = torch.full((1, f), last_pos + level, device=device)
+        key_pos = torch.cat([torch.arange(dcache.committed, device=device), scratch_pos, pos_1F[0]])
         pre_1FD, k_new, v_new = draft.forward_step(
-            frontier_tokens_F.unsqueeze(0), frontier_h_1FD, pos_1F, dcache.k, dcache.v, mask_FP.unsqueeze(0)
+            frontier_tokens_F.unsqueeze(0), frontier_h_1FD, pos_1F, dcache.k, dcache.v, mask_FP.unsqueeze(0),
+            **window_kw(draft, key_pos)
         )
         dcache.append(k_new, v_new)
+        scratch_pos = torch.cat([scratch_pos, pos_1F[0]])
         lp_FW = torch.log_softmax(draft.logits(pre_1FD)[0].float(), dim=-1)
         top = lp_FW.topk(k)
         cum_Fk = frontier_scores_F[:, None] + top.values

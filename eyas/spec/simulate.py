@@ -68,7 +68,7 @@ def teacher_forced_steps(
     valid_TS = label_mask(num_steps, s, first_label, ids_S.device)
     pos_1S = torch.arange(s, device=ids_S.device)[None]
     doc_1S = torch.zeros_like(pos_1S)
-    outs = ttt_forward(draft, aux_SKD[None], ids_S[None], pos_1S, sdpa_masks(doc_1S, num_steps))
+    outs = ttt_forward(draft, aux_SKD[None], ids_S[None], pos_1S, sdpa_masks(doc_1S, num_steps, pos_1S, draft.config.sliding_window))
     correct_TS = torch.zeros_like(valid_TS)
     for i, prenorm_1SD in enumerate(outs):
         lo, hi = max(0, first_label - 2 - i), s - 2 - i  # rows whose label t+2+i is in [first_label, S)

@@ -41,7 +41,7 @@ import torch
 from eyas.capture import HiddenStateCapture
 from eyas.errors import EyasError
 from eyas.spec.cache import _check_full_attention
-from eyas.spec.propose import to_target_ids
+from eyas.spec.propose import to_target_ids, window_kw
 from eyas.spec.verify import _cache_kwarg, new_cache
 
 GRAPH_MAX_TOKENS = 128
@@ -302,7 +302,9 @@ class StaticDrafter:
             [(self.arange_M < c).expand(s, -1), torch.ones(s, s, dtype=torch.bool, device=self.device).tril()], 1
         ).unsqueeze(0)
         kbuf, vbuf = self._all_past()
-        pre_1SD, k, v = self.draft.forward_step(x["tokens"], h_1SD, (c + ar_s).unsqueeze(0), kbuf, vbuf, mask_1SP)
+        key_pos = torch.cat([self.arange_M, c + ar_s])  # a committed slot's position is its index
+        pre_1SD, k, v = self.draft.forward_step(x["tokens"], h_1SD, (c + ar_s).unsqueeze(0), kbuf, vbuf, mask_1SP,
+                                                **window_kw(self.draft, key_pos))
         kbuf.index_copy_(2, c + ar_s, k)
         vbuf.index_copy_(2, c + ar_s, v)
         return pre_1SD[:, -1:]
@@ -332,7 +334,8 @@ class StaticDrafter:
                 break
             slot = (c + i).view(1)
             mask_11P = torch.cat([self.arange_M < c + i, torch.ones(1, dtype=torch.bool, device=self.device)]).view(1, 1, -1)
-            h, kn, vn = self.draft.forward_step(tok.view(1, 1), h, slot.view(1, 1), kbuf, vbuf, mask_11P)
+            h, kn, vn = self.draft.forward_step(tok.view(1, 1), h, slot.view(1, 1), kbuf, vbuf, mask_11P,
+                                                **window_kw(self.draft, torch.cat([self.arange_M, slot])))
             kbuf.index_copy_(2, slot, kn)
             vbuf.index_copy_(2, slot, vn)
             logits_W = self.draft.logits(h)[0, 0]
@@ -363,6 +366,8 @@ class StaticDrafter:
         f_cands = torch.arange(k, device=dev)
         f_h = h.expand(1, k, h.shape[-1])
         anc_FM = (self.arange_M < c).expand(k, -1)
+        # slot positions: committed slots their index; level l's scratch slots c + (l-1)k .. at c - 1 + l
+        slot_pos_M = torch.where(self.arange_M < c, self.arange_M, c + (self.arange_M - c).div(k, rounding_mode="floor"))
         eye = torch.eye(k, dtype=torch.bool, device=dev)
         ar_k = torch.arange(k, device=dev)
         tokens, parents = [f_tokens], [torch.full((k,), -1, device=dev)]
@@ -372,7 +377,8 @@ class StaticDrafter:
             base = c + (level - 1) * k
             mask_1FP = torch.cat([anc_FM, eye], 1).unsqueeze(0)
             pos_1F = (c - 1 + level).expand(1, k)
-            pre_1FD, kn, vn = self.draft.forward_step(f_tokens.unsqueeze(0), f_h, pos_1F, kbuf, vbuf, mask_1FP)
+            pre_1FD, kn, vn = self.draft.forward_step(f_tokens.unsqueeze(0), f_h, pos_1F, kbuf, vbuf, mask_1FP,
+                                                      **window_kw(self.draft, torch.cat([slot_pos_M, pos_1F[0]])))
             kbuf.index_copy_(2, base + ar_k, kn)
             vbuf.index_copy_(2, base + ar_k, vn)
             top = torch.log_softmax(self.draft.logits(pre_1FD)[0].float(), dim=-1).topk(k)

@@ -152,7 +152,7 @@ class Trainer:
 
     def forward(self, batch: Batch) -> list[torch.Tensor]:
         make_masks = flex_masks if self.attention == "flex" else sdpa_masks
-        masks = make_masks(batch.doc_BS, self.tc.ttt_steps)
+        masks = make_masks(batch.doc_BS, self.tc.ttt_steps, pos_BS=batch.pos_BS, window=self.tc.sliding_window)
         with self.autocast():
             return self.model(batch.aux_BSKD, batch.input_ids_BS, batch.pos_BS, masks, batch.rows_T)
 

@@ -35,7 +35,7 @@ DRAFT_KEYS = {"num_attention_heads": "train.num_attention_heads", "num_key_value
               "head_dim": "train.head_dim", "intermediate_size": "train.intermediate_size",
               "num_layers": "train.num_layers", "rope_theta": "train.rope_theta", "attention": "train.draft_attention",
               "norm_before_residual": "train.norm_before_residual", "fc_norm": "train.norms",
-              "norm_output": "train.norms", "num_aux_layers": "extract.layer_ids",
+              "norm_output": "train.norms", "sliding_window": "train.sliding_window", "num_aux_layers": "extract.layer_ids",
               "aux_layer_ids": "extract.layer_ids", "draft_vocab_size": "prepare.draft_vocab_size"}
 """A draft_config.json key -> the setting that makes it (any other: the target, target.model)."""
 

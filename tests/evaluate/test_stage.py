@@ -200,3 +200,17 @@ def test_eyas_evaluate_smollm2_lossless(tmp_path, smollm2_dir):
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                                  temperature=None, top_p=None, top_k=None)
         assert run["tokens"] == out[0, ids.shape[1]:].tolist(), run["id"]
+
+
+def test_long_context_evaluation_decodes_after_earlier_turns(tiny_run):
+    """--evaluate.context_tokens=N: every prompt holds at least N tokens (earlier ShareGPT turns ahead
+    of the question), decoding stays lossless, and results.json says under which context it ran."""
+    from eyas.cli import main
+
+    root, _ = tiny_run
+    out = root / "long"
+    assert main(cli_args(root, "--mode=chain", "--context_tokens=300", "--measure_speedup=false",
+                         f"--out_dir={out}")) == 0
+    r = json.loads((out / "results.json").read_text())
+    assert r["settings"]["context_tokens"] == 300 and r["lossless"] is True and r["num_prompts"] == 3
+    assert all(rec["prompt_tokens"] >= 300 for rec in r["records"])

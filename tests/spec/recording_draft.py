@@ -51,13 +51,13 @@ class RecordingDraft:
         self._new_round = True
         return self.draft.fuse(aux_BSKD)
 
-    def forward_step(self, input_ids_BS, h_BSD, position_ids_BS, past_k=None, past_v=None, mask_BSP=None):
+    def forward_step(self, input_ids_BS, h_BSD, position_ids_BS, past_k=None, past_v=None, mask_BSP=None, **kw):
         if self._new_round:  # extend: step 0 over the new positions c .. L-2
             self._t, self._step, self._new_round, self._round_clean = int(position_ids_BS[0, -1]), 0, False, True
         else:  # draft step i >= 1 of this round: every node sits at position t + i
             self._step += 1
             assert bool((position_ids_BS == self._t + self._step).all()), (position_ids_BS, self._t, self._step)
-        return self.draft.forward_step(input_ids_BS, h_BSD, position_ids_BS, past_k, past_v, mask_BSP)
+        return self.draft.forward_step(input_ids_BS, h_BSD, position_ids_BS, past_k, past_v, mask_BSP, **kw)
 
     def logits(self, prenorm_BSD: torch.Tensor) -> torch.Tensor:
         real_BSW = self.draft.logits(prenorm_BSD)
@@ -101,7 +101,7 @@ def ttt_logits(draft: Eagle3Draft, aux_SKD, ids_S, num_steps: int, before=None) 
         samples.insert(0, dict(input_ids=b_ids, loss_mask=torch.ones(offset, dtype=torch.long), aux=b_aux,
                                final=b_aux[:, 0], id="before", index=0))
     batch = pack(samples, num_steps, max_tokens=10_000, pad_multiple=8)
-    masks = sdpa_masks(batch.doc_BS, num_steps)
+    masks = sdpa_masks(batch.doc_BS, num_steps, batch.pos_BS, draft.config.sliding_window)
     with torch.no_grad():
         logits_T = TTTDraft(draft)(batch.aux_BSKD, batch.input_ids_BS, batch.pos_BS, masks, batch.rows_T)
     out = {}

@@ -33,6 +33,7 @@ from eyas.train.loop import Teacher
 from eyas.train.loss import step_terms
 from eyas.vocab import draft_to_target, target_to_draft
 from tests import models
+from eyas.ttt import naive_ttt
 from tests.spec.recording_draft import RecordingDraft, draft_ids_of, ttt_logits
 
 T = 4  # TTT steps = draft tokens per round
@@ -116,7 +117,7 @@ def wrong_at(t: int, i: int) -> int:
     return 1 if (t + 3 * i) % 7 == 2 else 2 if (2 * t + i) % 11 == 5 else 0
 
 
-def forced_generation(target, mode: str, layer_ids, seed: int, new: int = 40):
+def forced_generation(target, mode: str, layer_ids, seed: int, new: int = 40, sliding_window: int = 0):
     """speculative_generate with the real draft's proposals forced to the target's greedy
     continuation except at `wrong_at` -> (recording draft, generation, prompt + continuation)."""
     v = target.config.vocab_size
@@ -126,6 +127,7 @@ def forced_generation(target, mode: str, layer_ids, seed: int, new: int = 40):
     sel = sorted(set(seq.tolist()) | set(range(0, v, 3)))
     assert len(sel) < v
     draft = random_draft(target, sel, layer_ids, seed=seed + 1)
+    draft.config.sliding_window = sliding_window
     rec = RecordingDraft(draft, force=seq.tolist(), wrong=wrong_at)
     out = speculative_generate(target, rec, prompt, max_new_tokens=new, mode=mode, num_draft_tokens=T,
                                tree_top_k=2, tree_depth=T, tree_total_tokens=12)
@@ -147,6 +149,30 @@ def test_ttt_equals_spec_inside_the_decoding_loop(target, mode):
     keys = [k for k in rec.clean if k in ttt]
     assert len(keys) > 20 and {i for _, i in keys} == set(range(T)), sorted(keys)
     assert_same_logits(rec.records, ttt, keys)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_windowed_draft_decodes_as_a_recomputation_with_its_window(target, mode):
+    """A draft with a 5-position sliding window on a 47-token sequence: every draft step of
+    speculative_generate whose inputs are the ground truth (KV caches trimmed after partial
+    acceptance, tree siblings in the draft cache) gives the logits of naive_ttt's recomputation
+    from scratch, which cuts its own position-tracked cache to the window; the training unroll's
+    windowed masks agree; and the window matters (a full-attention recomputation differs)."""
+    window = 5
+    rec, _, seq = forced_generation(target, mode, AUX, seed=2, sliding_window=window)
+    aux, _ = target_states(target, seq)
+    ref_TSD = naive_ttt(rec.draft, aux, seq, T)
+    keys = [(t, i) for t, i in rec.clean if t + 1 + i < seq.numel()]
+    assert len(keys) > 20 and max(t for t, _ in keys) > 3 * window
+    with torch.no_grad():
+        ref = {(t, i): rec.draft.logits(ref_TSD[i, t]) for t, i in keys}
+    assert_same_logits(rec.records, ref, keys)
+    ttt = ttt_logits(rec.draft, aux, seq, T)
+    assert_same_logits(rec.records, ttt, [k for k in keys if k in ttt])
+    rec.draft.config.sliding_window = 0
+    full_TSD = naive_ttt(rec.draft, aux, seq, T)
+    far = [(t, i) for t, i in keys if t + i >= window]
+    assert all(not torch.allclose(ref_TSD[i, t], full_TSD[i, t], **TOL) for t, i in far)
 
 
 # --- b. aux states: verify-time capture == extract == online training --------------------------------

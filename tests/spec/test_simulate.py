@@ -114,7 +114,7 @@ def test_simulation_equals_the_decoder_pass_for_pass(decoded):
     assert min(lengths) == 0 and max(lengths) == K and any(0 < n < K for n in lengths), lengths
 
 
-def _causal_later_steps(doc_BS, num_steps):
+def _causal_later_steps(doc_BS, num_steps, *_):
     """The wrong TTT mask: step-j keys of every earlier row, not only the row's own (the diagonal)."""
     s = doc_BS.shape[1]
     causal_BSS = torch.ones(s, s, dtype=torch.bool).tril()[None] & (doc_BS[:, :, None] == doc_BS[:, None, :])

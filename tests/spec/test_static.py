@@ -49,15 +49,17 @@ def test_oracle_with_known_accept_pattern(mode):
     assert out.tokens == ref.tokens and out.stats.tau == 3
 
 
-@pytest.mark.parametrize("mode,num_layers", [("chain", 1), ("tree", 1), ("chain", 2), ("tree", 2)])
-def test_partial_acceptance_equals_the_reference_path(mode, num_layers):
-    """Random tiny targets (V = 8) and drafts (W = 6; one or two draft layers): tokens and every
-    acceptance count equal the DynamicCache path's; target-only decoding through the engine equals
-    it too."""
+@pytest.mark.parametrize("mode,num_layers,window", [("chain", 1, 0), ("tree", 1, 0), ("chain", 2, 0), ("tree", 2, 0),
+                                                    ("chain", 1, 3), ("tree", 2, 3)])
+def test_partial_acceptance_equals_the_reference_path(mode, num_layers, window):
+    """Random tiny targets (V = 8) and drafts (W = 6; one or two draft layers; full attention or a
+    3-position sliding window): tokens and every acceptance count equal the DynamicCache path's;
+    target-only decoding through the engine equals it too."""
     accepted = rejected = 0
     for seed in range(3):
         target = tiny_llama(vocab=8, seed=10 + seed)
-        draft = random_draft(target, draft_tokens=[0, 1, 2, 4, 5, 7], seed=seed, num_layers=num_layers)
+        draft = random_draft(target, draft_tokens=[0, 1, 2, 4, 5, 7], seed=seed, num_layers=num_layers,
+                             sliding_window=window)
         engine = StaticEngine(target, draft, max_len=96)
         for p in range(2):
             prompt = torch.randint(0, 8, (9 + p,), generator=torch.Generator().manual_seed(seed * 10 + p))
@@ -116,14 +118,16 @@ def test_smollm2_static_equals_reference(smollm2_dir, smollm2_tokenizer):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("mode,num_layers", [("chain", 1), ("tree", 1), ("chain", 2), ("tree", 2)])
-def test_cuda_graphs_equal_the_eager_static_path(mode, num_layers):
+@pytest.mark.parametrize("mode,num_layers,window", [("chain", 1, 0), ("tree", 1, 0), ("chain", 2, 0), ("tree", 2, 0),
+                                                    ("chain", 1, 6), ("tree", 1, 6)])
+def test_cuda_graphs_equal_the_eager_static_path(mode, num_layers, window):
     """fp32 on the GPU: graph replays (target forwards, draft extensions, the greedy chain) give the
     tokens and acceptance of the same caches run eagerly, across prompts of several lengths (one-
-    and two-layer drafts)."""
+    and two-layer drafts, full attention or a 6-position sliding window)."""
     torch.manual_seed(0)
     target = tiny_llama(vocab=64, hidden=64, layers=4, seed=5).cuda()
-    draft = random_draft(target, draft_tokens=list(range(0, 64, 2)), seed=2, num_layers=num_layers).cuda()
+    draft = random_draft(target, draft_tokens=list(range(0, 64, 2)), seed=2, num_layers=num_layers,
+                         sliding_window=window).cuda()
     graphed = StaticEngine(target, draft, max_len=256, graphs=True)
     eager = StaticEngine(target, draft, max_len=256, graphs=False)
     kw = dict(max_new_tokens=40, mode=mode, num_draft_tokens=K, tree_depth=3, tree_top_k=3, tree_total_tokens=8)

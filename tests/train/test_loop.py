@@ -325,3 +325,33 @@ def test_max_seconds_stops_early_and_resume_finishes(tmp_path, smol_prep, tiny_t
     assert total["seconds"] == pytest.approx(seconds) and total["tokens_per_s"] == pytest.approx(tokens / seconds)
     assert meta["metrics"]["tokens_per_s"] == pytest.approx(
         sum(r["tokens"] for r in recs[1:]) / sum(r["tokens"] / r["tokens_per_s"] for r in recs[1:]))
+
+
+def test_a_windowed_draft_trains_through_its_window(tmp_path, smol_prep, tiny_target):
+    """--train.sliding_window=4: the trainer's draft carries the window, and its forward over packed
+    rows gives, at every trained row and TTT step of the first two samples, the logits of naive_ttt
+    (the served-style loop over that sample alone, its cache cut to the window by its own positions)."""
+    from eyas.ttt import naive_ttt
+
+    cfg = tiny_cfg(tmp_path, smol_prep, tiny_target, "--train.mode=online", "--train.sliding_window=4",
+                   "--export.format=speculators")
+    data = build.load_data(cfg, torch.device("cpu"))
+    tr, _, _, _, batches = first_window(cfg, data)
+    assert tr.draft.config.sliding_window == 4
+    b = tr.prepare(batches[0])
+    with torch.no_grad():
+        logits_T = tr.forward(b)
+    s, checked = b.doc_BS.shape[1], 0
+    for doc in [d for d in b.doc_BS[0].unique().tolist() if d >= 0][:2]:  # the first row's first two samples
+        cols = (b.doc_BS[0] == doc).nonzero().flatten()
+        start, n = int(cols[0]), cols.numel()
+        ref_TSD = naive_ttt(tr.draft, b.aux_BSKD[0, start : start + n], b.input_ids_BS[0, start : start + n],
+                            len(logits_T))
+        for i, (logits_MW, rows_M) in enumerate(zip(logits_T, b.rows_T)):
+            for z, r in zip(logits_MW, rows_M.tolist()):
+                if r // s == 0 and start <= r % s < start + n:
+                    with torch.no_grad():
+                        want = tr.draft.logits(ref_TSD[i, r % s - start])
+                    torch.testing.assert_close(z.float(), want.float(), rtol=1e-4, atol=1e-4)
+                    checked += 1
+    assert checked > 50 and n > 8  # rows well past the window

@@ -70,6 +70,11 @@ def test_a_changed_draft_shape_on_resume_is_a_clear_error(tmp_path, smol_prep, t
                     "--export.format=speculators"))
     with pytest.raises(ConfigError, match=r"intermediate_size 128 -> 96 \(train\.intermediate_size\)"):
         run(resumed(tmp_path, smol_prep, tiny_target, ckpt, "narrower", "--train.intermediate_size=96"))
+    with pytest.raises(ConfigError, match=r"sliding_window 0 -> 4 \(train\.sliding_window\)"):
+        run(resumed(tmp_path, smol_prep, tiny_target, ckpt, "windowed", "--train.sliding_window=4",
+                    "--export.format=speculators"))
+    with pytest.raises(ConfigError, match=r"sliding_window=4 with export.format='both'.*--export.format=speculators"):
+        run(resumed(tmp_path, smol_prep, tiny_target, ckpt, "windowed_sglang", "--train.sliding_window=4"))
 
 
 def test_a_checkpoint_of_other_data_or_vocabulary_is_refused(tmp_path, smol_prep, tiny_target):
