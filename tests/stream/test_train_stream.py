@@ -3,15 +3,18 @@ Mooncake's CPU wheel; scripts/vllm-venv.sh), on SmolLM2-135M-Instruct in fp32, o
 
 1. `eyas run --train.mode=stream --stop_after=train`: a local Ray cluster, one vLLM engine actor
    with hs-connectors' Mooncake connector (eyas's CPU shim), a mooncake_master with eviction off;
-   the trainer is killed with SIGKILL once its step-3 checkpoint is written, and the same command
-   resumes from it.
-2. The independent reference: the same prepare output extracted to disk by the vLLM backend
+   the trainer is killed with SIGKILL once its step-3 checkpoint is written.
+2. The same command resumes it from that checkpoint with the engine given by URL instead
+   (train.stream.engine_urls): a real vLLM OpenAI server started with the arguments eyas prints, on
+   a Mooncake master the user runs with eviction off (train.stream.master). Where the states come
+   from is not what training makes: the run key and the ledger carry over.
+3. The independent reference: the same prepare output extracted to disk by the vLLM backend
    (`eyas extract --extract.backend=vllm`) and trained offline with the same settings.
 
 The streamed, killed and resumed draft must equal the offline one bit for bit (fp32 on CPU: the
 same states, the same samples in the same order, each trained once), the ledger must say every
 sample of the run was trained once, and no hidden state may be written to disk.
-Runtime on 2 CPU cores: ~2.5 min (three engine starts).
+Runtime on 2 CPU cores: ~3 min (three engine starts).
 """
 
 from __future__ import annotations
@@ -67,6 +70,45 @@ def run_killed_at_checkpoint(args: list[str], checkpoint: Path, log: Path, timeo
     assert checkpoint.is_dir(), log.read_text()[-4000:]
 
 
+@contextlib.contextmanager
+def served_engine(first_log: Path, log: Path, args_needing_it: list[str], port: int):
+    """A mooncake_master (eviction off) and, once `eyas ARGS` has said how (it stops: nothing listens
+    on `port` yet), a vLLM OpenAI server started with exactly the arguments it printed; -> the master's
+    address and eyas's first output. Both stopped on exit."""
+    venv_lib = Path(vllm_python()).parents[1] / "lib"
+    master_bin = next(venv_lib.glob("python3*/site-packages/mooncake/mooncake_master"))
+    mport, mmetrics = free_port(), free_port()
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", LD_LIBRARY_PATH=str(venv_lib / "ibverbs"))
+    procs = [subprocess.Popen([str(master_bin), "-rpc_address=127.0.0.1", f"-rpc_port={mport}", "-metrics_host=127.0.0.1",
+                               f"-metrics_port={mmetrics}", "-eviction_high_watermark_ratio=1.0", "-eviction_ratio=0.0",
+                               "-enable_metric_reporting=false"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=env)]
+    master = f"127.0.0.1:{mport}"
+    try:
+        assert eyas_vllm([*args_needing_it, f"--train.stream.master={master}"], first_log, timeout_s=120) != 0
+        first = first_log.read_text()
+        serve = first.split("must run as\n")[1].splitlines()[0].split()
+        assert serve[:2] == ["vllm", "serve"], first[-3000:]
+        cmd = " ".join([str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port",
+                        str(port), "--model", *serve[2:]])
+        with open(log, "w") as f:
+            procs.append(subprocess.Popen(cmd, shell=True, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert procs[-1].poll() is None, log.read_text()[-4000:]
+            time.sleep(1)
+        yield master, first
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM) if p.pid == os.getpgid(p.pid) else p.terminate()
+            p.wait(timeout=60)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, smollm2_dir):
     root = tmp_path_factory.mktemp("stream")
@@ -78,7 +120,11 @@ def runs(tmp_path_factory, smollm2_dir):
     t0 = time.perf_counter()
     run_killed_at_checkpoint(args, stream_dir / "train" / "checkpoints" / "step_0000003", root / "killed.log")
     killed = (root / "killed.log").read_text()
-    assert eyas_vllm(args, root / "resumed.log") == 0, (root / "resumed.log").read_text()[-6000:]
+    sport = free_port()
+    by_url = [*args, f"--train.stream.engine_urls=[http://127.0.0.1:{sport}]"]
+    with served_engine(root / "first.log", root / "server.log", by_url, sport) as (master, first):
+        resumed = eyas_vllm([*by_url, f"--train.stream.master={master}"], root / "resumed.log")
+    assert resumed == 0, (root / "resumed.log").read_text()[-6000:]
     t1 = time.perf_counter()
     common += [f"--prepare.out_dir={stream_dir / 'prepare'}"]  # the same samples, prepared once
     assert eyas_vllm(["extract", f"--run_dir={offline_dir}", *common, "--extract.backend=vllm",
@@ -87,7 +133,7 @@ def runs(tmp_path_factory, smollm2_dir):
     assert eyas_vllm(["train", f"--run_dir={offline_dir}", *common], root / "offline.log") == 0, \
         (root / "offline.log").read_text()[-6000:]
     print(f"[stream test] stream killed + resumed {t1 - t0:.0f}s, offline extract + train {time.perf_counter() - t1:.0f}s")
-    return {"stream": stream_dir, "offline": offline_dir, "killed": killed,
+    return {"stream": stream_dir, "offline": offline_dir, "killed": killed, "first": first, "port": sport,
             "resumed": (root / "resumed.log").read_text()}
 
 
@@ -187,50 +233,13 @@ def test_the_deepseek_stream_recipe_at_tensor_parallel_2_streams_to_two_trainer_
 
 
 @needs_vllm
-def test_engines_given_by_url_are_a_real_vllm_server_started_with_the_arguments_eyas_prints(runs, tmp_path, smollm2_dir):
-    """train.stream.engine_urls: a `vllm serve` (the OpenAI server, vllm-cpu) started with the arguments
-    eyas prints, on a Mooncake master the user runs with eviction off; the same samples then train the
-    same draft as offline training, bit for bit."""
-    venv_lib = Path(vllm_python()).parents[1] / "lib"
-    master_bin = next(venv_lib.glob("python3*/site-packages/mooncake/mooncake_master"))
-    mport, mmetrics, sport = free_port(), free_port(), free_port()
-    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", LD_LIBRARY_PATH=str(venv_lib / "ibverbs"))
-    procs = [subprocess.Popen([str(master_bin), "-rpc_address=127.0.0.1", f"-rpc_port={mport}", "-metrics_host=127.0.0.1",
-                               f"-metrics_port={mmetrics}", "-eviction_high_watermark_ratio=1.0", "-eviction_ratio=0.0",
-                               "-enable_metric_reporting=false"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env=env)]
-    try:
-        run = tmp_path / "served"
-        args = ["train", f"--run_dir={run}", f"--prepare.out_dir={runs['stream'] / 'prepare'}",
-                f"--target.model={smollm2_dir}", *TRAIN, *STREAM, f"--train.stream.master=127.0.0.1:{mport}",
-                f"--train.stream.engine_urls=[http://127.0.0.1:{sport}]"]
-        assert eyas_vllm(args, tmp_path / "first.log", timeout_s=120) != 0  # nothing listens yet: says what to run
-        first = (tmp_path / "first.log").read_text()
-        assert f"http://127.0.0.1:{sport} does not answer as a vLLM server" in first
-        serve = first.split("must run as\n")[1].splitlines()[0].split()
-        assert serve[:2] == ["vllm", "serve"]
-        cmd = " ".join([str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port",
-                        str(sport), "--model", *serve[2:]])
-        with open(tmp_path / "server.log", "w") as f:
-            procs.append(subprocess.Popen(cmd, shell=True, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True))
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", sport)) == 0:
-                    break
-            assert procs[-1].poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-            time.sleep(1)
-        assert eyas_vllm(args, tmp_path / "served.log") == 0, (tmp_path / "served.log").read_text()[-6000:]
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM) if p.pid == os.getpgid(p.pid) else p.terminate()
-            p.wait(timeout=60)
-    got = load_file(run / "train" / "final" / "draft.safetensors")
-    want = load_file(runs["offline"] / "train" / "final" / "draft.safetensors")
-    assert all(torch.equal(got[k], want[k]) for k in want)
-
+def test_the_resume_took_its_states_from_a_vllm_server_started_with_the_arguments_eyas_printed(runs):
+    """train.stream.engine_urls: with nothing listening eyas stopped and said what to run; the resume
+    (whose draft equals offline training's, above) then streamed from that server only."""
+    url = f"http://127.0.0.1:{runs['port']}"
+    assert f"{url} does not answer as a vLLM server" in runs["first"]
+    assert f"engine {url} (vLLM" in runs["resumed"] and "engine-0 ready" not in runs["resumed"]
+    assert "engine-0 ready" in runs["killed"]
 
 
 def test_stream_settings_never_change_the_train_run_key():
