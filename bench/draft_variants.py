@@ -22,7 +22,7 @@ variant whose flag this checkout lacks fails at once, naming the flag, and the o
 
     baseline   today's draft
     eagle3.1   --train.norms=eagle3.1 (and --export.format=speculators: SGLang has no such norms)
-    swa        --train.sliding_window=N (N: --window)
+    swa        --train.sliding_window=N (N: --window; and --export.format=speculators: SGLang applies no window)
     tv         --train.loss=tv
     lk         --train.loss=lk
     int8       states captured from an INT8 copy of the target
@@ -113,7 +113,7 @@ class Variant:
 VARIANTS = {
     "baseline": Variant(),
     "eagle3.1": Variant(("--train.norms=eagle3.1", "--export.format=speculators")),  # SGLang has no EAGLE 3.1 norms
-    "swa": Variant(("--train.sliding_window={window}",)),
+    "swa": Variant(("--train.sliding_window={window}", "--export.format=speculators")),  # SGLang applies no window
     "tv": Variant(("--train.loss=tv",)),
     "lk": Variant(("--train.loss=lk",)),
     "int8": Variant(states="int8"),
