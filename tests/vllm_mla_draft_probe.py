@@ -1,22 +1,21 @@
-"""Runs in the vLLM venv (scripts/vllm-venv.sh): an exported MLA draft served behind an MLA target.
+"""Runs in the vLLM venv (scripts/vllm-venv.sh): `eyas run` in this process, with a look inside the
+engine evaluate.backend=vllm serves the draft in.
 
-    .venv-vllm/bin/python tests/vllm_mla_draft_probe.py JOB.json OUT.pt
+    .venv-vllm/bin/python tests/vllm_mla_draft_probe.py OUT.pt EYAS_RUN_ARGS...
 
-JOB.json: {"target": DIR, "draft": DIR (an exported sglang layout of an MLA draft), "prompts": [[ids]],
-"max_tokens": n, "k": draft tokens, "engine_args": {...extra vllm.LLM kwargs}}.
-OUT.pt: {"drafter": the class vLLM built, "weights": {exported name: max abs difference from the
-parameter vLLM serves it as (stacked rows sliced out), or for a linear layer the CPU build repacked,
-the max relative difference of its output from x @ W^T}, "attention": the draft layer's attention in its
-first call (the draft's prefill over the first prompt): {"positions", "input" [S, 2D], "output"
-[S, D]}, "outputs": {"draft": greedy ids with the draft, "target": without}, "spec": vLLM's
-speculative counters of the draft run}. vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
-so a forward hook can read the layer.
+Runs `eyas run EYAS_RUN_ARGS` (eyas.cli.main, as `python -m eyas run` does) with vLLM in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), so that once evaluate has built its engine with the draft a
+forward hook can read the draft layer. OUT.pt: {"rc": eyas's exit code, "draft": the directory vLLM
+loaded the draft from, "drafter": the class vLLM built, "weights": {exported name: max abs
+difference from the parameter vLLM serves it as (stacked rows sliced out), or for a linear layer the
+CPU build repacked, the max relative difference of its output from x @ W^T}, "attention": the draft
+layer's attention in its first call (the draft's prefill over evaluate's warm-up prompt):
+{"positions", "input" [S, 2D], "output" [S, D]}}. Nothing else is changed: the engine, the
+generation and the report are evaluate's own.
 """
 
 from __future__ import annotations
 
-import gc
-import json
 import os
 import sys
 
@@ -70,6 +69,7 @@ def served_weights(worker, exported_path: str) -> dict:
 
 
 CAPTURED: list = []
+SERVED: dict = {}
 
 
 def install_hook(worker) -> None:
@@ -84,37 +84,29 @@ def install_hook(worker) -> None:
     attn.register_forward_hook(hook, with_kwargs=True)
 
 
-def generate(job: dict, draft: bool) -> tuple[dict, list]:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+def observed(engine):
+    """eyas.evaluate.vllm.engine, reading the engine it returns when it serves a draft."""
 
-    kw = dict(model=job["target"], dtype="float32", enforce_eager=True, seed=0, max_model_len=256,
-              disable_log_stats=False, skip_tokenizer_init=True, **job.get("engine_args", {}))
-    if draft:
-        kw["speculative_config"] = {"method": "eagle3", "model": job["draft"], "num_speculative_tokens": job["k"]}
-    llm = LLM(**kw)
-    res: dict = {}
-    if draft:
-        res = llm.collective_rpc(served_weights, args=(os.path.join(job["draft"], "model.safetensors"),))[0]
-        llm.collective_rpc(install_hook)
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
-    if draft:
-        res["spec"] = {m.name: (list(m.values) if hasattr(m, "values") else int(m.value)) for m in llm.get_metrics()
-                       if m.name.startswith("vllm:spec_decode_num")}
-    del llm
-    gc.collect()
-    return res, [list(o.outputs[0].token_ids) for o in outs]
+    def build(cfg, draft, max_len, cpu):
+        llm = engine(cfg, draft, max_len, cpu)
+        if draft is not None and "drafter" not in SERVED:
+            SERVED.update(llm.collective_rpc(served_weights, args=(os.path.join(draft, "model.safetensors"),))[0],
+                          draft=str(draft))
+            llm.collective_rpc(install_hook)
+        return llm
+
+    return build
+
 
 
 def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    job = json.loads(open(sys.argv[1]).read())
-    res, with_draft = generate(job, draft=True)
-    _, target_only = generate(job, draft=False)
-    res.update(attention=CAPTURED[0], outputs={"draft": with_draft, "target": target_only})
-    torch.save(res, sys.argv[2])
+    import eyas.evaluate.vllm as evaluate_vllm
+    from eyas.cli import main as eyas
+
+    evaluate_vllm.engine = observed(evaluate_vllm.engine)
+    rc = eyas(["run", *sys.argv[2:]])
+    torch.save({"rc": rc, **SERVED, "attention": CAPTURED[0] if CAPTURED else None}, sys.argv[1])
 
 
 if __name__ == "__main__":
