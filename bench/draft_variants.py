@@ -9,9 +9,9 @@ once (no schedule search) and evaluated with `eyas evaluate` on two prompt sets.
 
 On a shared CPU give it one thread (OMP_NUM_THREADS=1): with two threads on a 2-core machine that
 others load (load average 8), the smoke run took 18 min instead of 2 (each of the target's small matrix products
-waits for a thread the other processes hold). The default sizes (7 variants, 3 extractions, 40
-prompts per set) are estimated from the smoke run's per-stage times at about 35-40 min on an idle
-2-core CPU: 3 extractions of ~23k tokens, 7 trainings of 22 steps, the target-only outputs of 80
+waits for a thread the other processes hold). The default sizes (3 extractions, 40 prompts per
+set) took 41 min for six variants (baseline, eagle3.1, tv, lk, int8, int4) on a 2-core CPU that
+other jobs shared, and 12 min for baseline + swa: ~23k tokens per extraction, 22 steps per training, the target-only outputs of 80
 prompts decoded once, and 14 simulated evaluations of 1,280 positions each.
 
 A variant is one line of VARIANTS: the eyas overrides (`--section.key=value`) its training adds to
