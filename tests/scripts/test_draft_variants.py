@@ -34,7 +34,7 @@ def test_a_variant_is_resolved_only_when_chosen():
     a = dv.parse(["--variants", "baseline,swa", "--window", "32", "--add", "wd=--train.weight_decay=0.1"])
     got = dv.chosen(a)
     assert list(got) == ["baseline", "swa", "wd"]
-    assert dv.overrides(got["swa"], a) == ["--train.sliding_window=32"]
+    assert dv.overrides(got["swa"], a) == ["--train.sliding_window=32", "--export.format=speculators"]
     assert dv.states_key(dv.VARIANTS["int8"], a) == "int8"
     assert dv.states_key(got["wd"], a) == dv.states_key(got["baseline"], a) == "target"
     with pytest.raises(SystemExit, match="prepare output, target and evaluation are shared"):
