@@ -10,11 +10,10 @@ speculators), and a third with two draft layers (vLLM's multi-layer EAGLE-3, spe
 * the fitted draft again with num_layers = 2 (its second layer a plain Llama decoder layer), and a
   copy of it whose second layer's output projections are halved (a tau below the ceiling that
   depends on that layer);
-* the fitted draft again with EAGLE 3.1's norms (train.norms=eagle3.1: fc_norm, norm_output;
-  speculators layout, which SGLang's cannot express);
-* the fitted draft with a sliding window of WINDOW positions, shorter than every prompt (trained
-  and decoded by eyas with that window; exported with sliding_window and layer_types, which vLLM's
-  models/llama.py reads);
+* the fitted draft of the newer designs: EAGLE 3.1's norms (train.norms=eagle3.1: fc_norm,
+  norm_output) and a sliding window of WINDOW positions, shorter than every prompt (trained and
+  decoded by eyas with both; speculators layout: sliding_window and layer_types, which vLLM's
+  models/llama.py reads, and the top-level fc_norm / norm_output; SGLang's layout expresses neither);
 * a draft over the whole target vocabulary (W == V): fitted at W = 1024 and moved to V by
   `--train.init_vocab=remap`'s lm_head remap, its rows in a shuffled draft order; exported without
   d2t (rows in target order), served by vLLM without a draft-to-target mapping;
@@ -33,11 +32,11 @@ comparison is not between two useless drafts).
 Control drafts with known behaviour: a constant draft (always proposes one token) whose vLLM
 counters must equal exact arithmetic on the target's greedy output, the same draft with a shifted
 d2t (so a d2t mistake is caught), and four mis-served exports -- the fitted draft's with aux ids
-in SGLang's convention in vLLM's field or norm_before_residual flipped in config.json, the EAGLE
-3.1 draft's with norm_output flipped off, and the windowed draft with its window removed from
-config.json -- which vLLM loads without complaint and which the tau comparison must reject.
+in SGLang's convention in vLLM's field or norm_before_residual flipped in config.json, the designs
+draft's with norm_output flipped off or with its window removed from config.json -- which vLLM
+loads without complaint and which the tau comparison must reject.
 
-Runtime on 2 CPU cores (shared, so noisy): ~5-13 minutes (16 vLLM engines in one process; fitting
+Runtime on 2 CPU cores (shared, so noisy): ~4-12 minutes (15 vLLM engines in one process; fitting
 ~25-40 s per draft; eyas's stages and chain evaluation of their draft ~20 s).
 """
 
@@ -78,7 +77,7 @@ what remains is kernel-level float noise flipping a near-tied argmax and the end
 (vLLM and eyas both finish the step that crosses max_tokens). Both correct drafts are far from
 ties: scaling every weight of the trained one by (1 + 1e-3 noise) leaves eyas's tau unchanged."""
 MIN_TAU = {"fitted": 2.5, "trained": 2.0, "fitted_2layer": 2.5, "fitted_2layer_halved": 2.0, "fitted_full": 2.5,
-           "fitted_eagle31": 2.5, "fitted_windowed": 2.5}
+           "fitted_designs": 2.5}
 """Below this a draft is too weak for the comparison to mean much (a useless or mis-served draft
 reaches about 1). Measured (K = 3, so at most 4): fitted 3.9-4.0; trained 3.2, where 25 and 30
 training steps give 3.7 and 4.0. The trained run is deterministic (CPU, one thread, fixed seed and
@@ -87,14 +86,15 @@ The two-layer draft is fitted for 30 steps, below the ceiling (3.46 in eyas, 202
 reach 4.0, where a wrong second layer could still match); fitted_full 3.88 (the W = 1024 fit, 3.88
 itself, remapped to V; 2026-12-03); its copy with the second layer's o_proj
 and down_proj halved reads 2.39 (at 50 steps 2.74 in both eyas and vLLM; zeroed 1.88): it agrees
-only if vLLM runs that layer as eyas does. fitted_eagle31 3.63 in eyas and vLLM alike (50 steps, below
-the ceiling; 2026-12-06); served with norm_output flipped off both read 2.80."""
+only if vLLM runs that layer as eyas does. fitted_designs (EAGLE 3.1 norms and a window of 8, 50
+steps) 3.88 in eyas and vLLM alike, below the ceiling; served with norm_output flipped off vLLM reads
+2.55 (2026-12-06; an EAGLE 3.1 draft without a window: 3.63, flipped 2.80)."""
 SERVED = {"sglang": "fitted", "speculators": "fitted", "trained_sglang": "trained", "trained_speculators": "trained",
-          "two_layer": "fitted_2layer", "two_layer_halved": "fitted_2layer_halved", "full_vocab": "fitted_full", "eagle31": "fitted_eagle31",
-          "windowed": "fitted_windowed"}
+          "two_layer": "fitted_2layer", "two_layer_halved": "fitted_2layer_halved", "full_vocab": "fitted_full",
+          "designs": "fitted_designs"}
 """vLLM run -> the draft it serves (the fitted one, or the one from eyas's stages) in one layout."""
 WINDOW = 8
-"""The windowed draft's sliding window: shorter than every chat-templated prompt (35-41 tokens)."""
+"""The designs draft's sliding window: shorter than every chat-templated prompt (35-41 tokens)."""
 
 
 def tau(counts: dict) -> float:
@@ -170,18 +170,15 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     full_outputs, full_stats = chain_eval(target, load_exported(full_vocab["speculators"], embed_VD).eval(), prompts)
     full_in_memory = chain_eval(target, full.eval(), prompts)[1]  # before the export's reordering
 
-    # the fitted draft with EAGLE 3.1's norms (speculators layout: SGLang's has no such norms)
-    draft31 = fitted_draft(target, seqs, aux_layer_ids=AUX, norms="eagle3.1")
-    eagle31 = export_draft(draft31, work / "eagle31", formats=("speculators",), **verifier, num_speculative_tokens=K)
-    e31_outputs, e31_stats = chain_eval(target, load_exported(eagle31["speculators"], embed_VD).eval(), prompts)
-    # the fitted draft with a sliding window (trained with it), and its export with the window removed
-    draft_w = fitted_draft(target, seqs, aux_layer_ids=AUX, sliding_window=WINDOW)
-    windowed = export_draft(draft_w, work / "windowed", formats=("speculators",), **verifier, num_speculative_tokens=K)
-    win_outputs, win_stats = chain_eval(target, load_exported(windowed["speculators"], embed_VD).eval(), prompts)
-    layer = json.loads((windowed["speculators"] / "config.json").read_text())["transformer_layer_config"]
+    # the fitted draft of the newer designs: EAGLE 3.1's norms and a sliding window (trained with
+    # both; speculators layout), and its export with the window removed
+    draft_d = fitted_draft(target, seqs, aux_layer_ids=AUX, norms="eagle3.1", sliding_window=WINDOW)
+    designs = export_draft(draft_d, work / "designs", formats=("speculators",), **verifier, num_speculative_tokens=K)
+    designs_outputs, designs_stats = chain_eval(target, load_exported(designs["speculators"], embed_VD).eval(), prompts)
+    layer = json.loads((designs["speculators"] / "config.json").read_text())["transformer_layer_config"]
     assert layer["layer_types"] == ["sliding_attention"] and layer["sliding_window"] == WINDOW
     no_window = {k: v for k, v in layer.items() if k not in ("sliding_window", "layer_types")}
-    window_removed = edit_config(windowed["speculators"], work / "window_removed", transformer_layer_config=no_window)
+    window_removed = edit_config(designs["speculators"], work / "window_removed", transformer_layer_config=no_window)
     removed_stats = chain_eval(target, load_exported(window_removed, embed_VD).eval(), prompts)[1]
 
     # the draft of eyas's own stages (CLI), trained on the target's answers to the same prompts;
@@ -193,7 +190,8 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     t3 = time.perf_counter()
     torch.set_num_threads(threads)
     print(f"[vllm test] greedy {t1 - t0:.0f}s, fit + eval {t2 - t1:.0f}s (tau {fitted_stats.tau:.2f}), "
-          f"eyas stages + eval {t3 - t2:.0f}s (tau {trained_stats.tau:.2f})", file=sys.stderr)  # fmt: skip
+          f"eyas stages + eval {t3 - t2:.0f}s (tau {trained_stats.tau:.2f}); designs tau {designs_stats.tau:.2f}, "
+          f"window removed {removed_stats.tau:.2f}", file=sys.stderr)  # fmt: skip
 
     # control drafts
     flat = [t for c in conts for t in c[:MAX_TOKENS]]
@@ -202,7 +200,7 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
     shifted = export_draft(constant_draft(tcfg, token, shift=1), work / "shifted", formats=("speculators",), **verifier, num_speculative_tokens=K)
     wrong_aux = edit_config(fitted["speculators"], work / "wrong_aux", eagle_aux_hidden_state_layer_ids=[k - 1 for k in AUX])
     flipped = edit_config(fitted["speculators"], work / "flipped_norm", norm_before_residual=True)
-    flipped31 = edit_config(eagle31["speculators"], work / "eagle31_flipped", norm_output=False)
+    flipped31 = edit_config(designs["speculators"], work / "designs_flipped", norm_output=False)
 
     runs = [
         {"name": "target"},
@@ -213,13 +211,12 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
         {"name": "two_layer", "draft": str(two_layer["speculators"]), "k": K},
         {"name": "full_vocab", "draft": str(full_vocab["speculators"]), "k": K},
         {"name": "two_layer_halved", "draft": str(halved["speculators"]), "k": K},
-        {"name": "eagle31", "draft": str(eagle31["speculators"]), "k": K},
+        {"name": "designs", "draft": str(designs["speculators"]), "k": K},
         {"name": "constant", "draft": str(const["speculators"]), "k": K},
         {"name": "shifted", "draft": str(shifted["speculators"]), "k": K},
         {"name": "wrong_aux", "draft": str(wrong_aux), "k": K},
         {"name": "flipped_norm", "draft": str(flipped), "k": K},
-        {"name": "eagle31_flipped", "draft": str(flipped31), "k": K},
-        {"name": "windowed", "draft": str(windowed["speculators"]), "k": K},
+        {"name": "designs_flipped", "draft": str(flipped31), "k": K},
         {"name": "window_removed", "draft": str(window_removed), "k": K},
     ]
     job = {"target": str(smollm2_dir), "dtype": "float32", "max_model_len": 256, "max_tokens": MAX_TOKENS, "prompts": prompts, "runs": runs}
@@ -228,11 +225,11 @@ def served(tmp_path_factory, smollm2_dir, smollm2_tokenizer):
         "runs": result["runs"],
         "continuations": conts,
         "eyas_outputs": {"fitted": fitted_outputs, "trained": trained_outputs, "fitted_2layer": two_outputs,
-                         "fitted_2layer_halved": halved_outputs, "fitted_full": full_outputs, "fitted_eagle31": e31_outputs,
-                         "fitted_windowed": win_outputs},
+                         "fitted_2layer_halved": halved_outputs, "fitted_full": full_outputs,
+                         "fitted_designs": designs_outputs},
         "eyas_stats": {"fitted": fitted_stats, "trained": trained_stats, "fitted_2layer": two_stats,
-                       "fitted_2layer_halved": halved_stats, "fitted_full": full_stats, "fitted_eagle31": e31_stats,
-                       "fitted_windowed": win_stats, "fitted_window_removed": removed_stats},
+                       "fitted_2layer_halved": halved_stats, "fitted_full": full_stats,
+                       "fitted_designs": designs_stats, "fitted_window_removed": removed_stats},
         "token": token,
         "full_in_memory": full_in_memory,
     }
@@ -244,7 +241,7 @@ def test_vllm_target_matches_transformers(served):
     want = [c[:MAX_TOKENS] for c in served["continuations"]]
     assert served["runs"]["target"]["outputs"] == want
     assert served["eyas_outputs"] == {"fitted": want, "trained": want, "fitted_2layer": want, "fitted_2layer_halved": want,
-                                      "fitted_full": want, "fitted_eagle31": want, "fitted_windowed": want}
+                                      "fitted_full": want, "fitted_designs": want}
 
 
 @pytest.mark.parametrize("run", list(SERVED))
@@ -255,7 +252,7 @@ def test_vllm_loads_exactly_the_exported_draft(served, run):
     assert ins["num_draft_layers"] == (2 if two else 1)
     # every exported tensor is checked where vLLM serves it, the second layer's too
     assert any(k.startswith("layers.1.") for k in ins["tensor_errors"]) == two
-    e31 = run == "eagle31"  # EAGLE 3.1's norms built (and their tensors checked) only for that export
+    e31 = run == "designs"  # EAGLE 3.1's norms built (and their tensors checked) only for that export
     assert (ins["num_fc_norms"], ins["norm_output"]) == ((3, True) if e31 else (0, False))
     assert sorted(k for k in ins["tensor_errors"] if k.startswith("fc_norm.")) == ([f"fc_norm.{k}.weight" for k in range(3)] if e31 else [])
     assert ins["target_aux_layers"] == AUX  # vLLM captures the streams eyas trained on
@@ -264,7 +261,7 @@ def test_vllm_loads_exactly_the_exported_draft(served, run):
     full = run == "full_vocab"  # W == V: no d2t exported, none built (vLLM maps nothing)
     assert ins["d2t_loaded"] == (not full) and ins["d2t_equal"] == (None if full else True)
     assert ins["embed_shared"]  # no embed_tokens exported: the target's embedding is used
-    window = WINDOW if run == "windowed" else None  # every draft layer's attention windowed, or none
+    window = WINDOW if run == "designs" else None  # every draft layer's attention windowed, or none
     assert ins["sliding_window"] == [window] * ins["num_draft_layers"]
     bad = {k: v for k, v in ins["tensor_errors"].items() if isinstance(v, str) or v > 1e-4}
     assert not bad, bad
@@ -296,7 +293,7 @@ def test_vllm_control_shifted_d2t_is_caught(served):
     assert got == served_as and got != intended
 
 
-@pytest.mark.parametrize("control", ["wrong_aux", "flipped_norm", "eagle31_flipped"])
+@pytest.mark.parametrize("control", ["wrong_aux", "flipped_norm", "designs_flipped"])
 def test_vllm_control_mis_served_draft_fails_the_tau_check(served, control):
     """vLLM loads them silently; only the comparison with eyas's own tau exposes them."""
     run = served["runs"][control]
@@ -305,23 +302,24 @@ def test_vllm_control_mis_served_draft_fails_the_tau_check(served, control):
         assert run["inspect"]["target_aux_layers"] == [k - 1 for k in AUX]
     elif control == "flipped_norm":
         assert run["inspect"]["residual_norm"] == "_norm_before_residual"
-    else:  # the EAGLE 3.1 draft fed back its pre-norm state: fc_norm still built and loaded
+    else:  # the designs draft fed back its pre-norm state: fc_norm still built and loaded
         assert (run["inspect"]["num_fc_norms"], run["inspect"]["norm_output"]) == (3, False)
-    draft = "fitted_eagle31" if control == "eagle31_flipped" else "fitted"
+    draft = "fitted_designs" if control == "designs_flipped" else "fitted"
     assert abs(tau(run["spec"]) - served["eyas_stats"][draft].tau) > TAU_TOL, run["spec"]
 
 
 def test_vllm_control_window_removed_fails_the_tau_check(served):
-    """The windowed draft served without its window (sliding_window and layer_types dropped from
+    """The designs draft served without its window (sliding_window and layer_types dropped from
     config.json): vLLM attends to every key, lossless but off the draft eyas trained and measured,
     so its tau leaves eyas's windowed one, and lands on what eyas measures for that export (full
-    attention). Measured 2026-12-06: windowed 4.00 in both, window removed 3.23 in both; eyas at
-    window 7 / 9 (a key at distance W seen or one more cut) 3.85 / 3.92, so vLLM's CPU backend cuts
+    attention). Measured 2026-12-06: with its window 3.88 in both, window removed 1.94 in both. A
+    windowed draft without the norms read 4.00 in both, 3.23 without its window, and in eyas at
+    window 7 / 9 (a key at distance W seen or one more cut) 3.85 / 3.92: vLLM's CPU backend cuts
     exactly where eyas does (a query sees keys less than W positions back)."""
     run = served["runs"]["window_removed"]
     assert run["outputs"] == served["runs"]["target"]["outputs"]
     assert run["inspect"]["sliding_window"] == [None]
-    assert abs(tau(run["spec"]) - served["eyas_stats"]["fitted_windowed"].tau) > TAU_TOL, run["spec"]
+    assert abs(tau(run["spec"]) - served["eyas_stats"]["fitted_designs"].tau) > TAU_TOL, run["spec"]
     assert abs(tau(run["spec"]) - served["eyas_stats"]["fitted_window_removed"].tau) <= TAU_TOL, run["spec"]
 
 
