@@ -99,7 +99,7 @@ from eyas import evaluate, extract, prepare, train  # noqa: E402
 from eyas.assets import smollm2_dir  # noqa: E402
 from eyas.config import load_config  # noqa: E402
 from eyas.errors import EyasError  # noqa: E402
-from eyas.hidden_states import HiddenStates  # noqa: E402
+from fp8_store import state_error  # noqa: E402  (bench/: per-token relative RMS error of two extracts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,18 +295,6 @@ def last_metrics(train_dir: Path) -> dict:
         for k in ("loss", "acc_T"):
             out[f"{split}_{k}"] = rec.get(k)
     return out
-
-
-def state_error(a_dir: Path, b_dir: Path) -> dict[str, float]:
-    """Per-token relative RMS error of b's states against a's (aux and final apart), mean and max."""
-    a, b = HiddenStates(a_dir), HiddenStates(b_dir)
-    errs: dict[str, list[torch.Tensor]] = {"aux": [], "final": []}
-    for i in range(len(a)):
-        x, y = a[i], b[i]
-        for key, parts in errs.items():
-            ref, got = x[key].float().flatten(1), y[key].float().flatten(1)
-            parts.append((got - ref).norm(dim=1) / ref.norm(dim=1).clamp(min=1e-12))
-    return {f"{k}_{s}": float(getattr(torch.cat(p), s)()) for k, p in errs.items() for s in ("mean", "max")}
 
 
 def evaluate_set(a, root: Path, name: str, cfg_args: list[str], bench: str, label: str, questions: int,
