@@ -51,7 +51,9 @@ or `--target DIR`) in float32 on the CPU (bf16 with `--device cuda`); one prepar
 --conversations ShareGPT conversations, --max-length tokens, a 4,096-token draft vocab); states
 extracted with the default aux layers and stored in bf16 (`--extract.store_dtype=bfloat16`), once
 for all variants that share a source (the baseline's for every training variant); the draft seed 0,
---ttt-steps TTT steps, --epochs epochs of 2,048-token steps, lr 1e-3, 5% of the samples held out.
+--ttt-steps TTT steps, --epochs epochs of --step-tokens-token steps, lr 1e-3, 5% of the samples held
+out. `--data FILE --data-format openai` trains on other conversations, e.g. the SmolLM2 recipe's
+(data/smollm2-sharegpt-regenerated.jsonl.xz: ShareGPT answered by the target itself).
 
 Evaluation, per variant and prompt set, `eyas evaluate --evaluate.mode=simulate` (the chain of 3
 and an EAGLE-2 tree 16/4/4 simulated from teacher-forced passes over the target-only greedy
@@ -131,11 +133,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--add", action="append", default=[], metavar="NAME=OVERRIDES",
                    help="one more variant: a name and its overrides, e.g. wd='--train.weight_decay=0.1'")
     p.add_argument("--window", type=int, default=64, help="the swa variant's train.sliding_window")
-    p.add_argument("--conversations", type=int, default=120, help="ShareGPT conversations prepared (and extracted)")
+    p.add_argument("--data", default="embedded:sharegpt", help="prepare.data: the training conversations")
+    p.add_argument("--data-format", default="", help="prepare.format (default: what prepare infers)")
+    p.add_argument("--conversations", type=int, default=120, help="conversations prepared (and extracted)")
     p.add_argument("--max-length", type=int, default=256, help="tokens kept per conversation")
     p.add_argument("--epochs", type=int, default=2, help="training epochs, the same for every variant")
     p.add_argument("--max-steps", type=int, default=0, help="stop training after this many steps (0 = the epochs)")
     p.add_argument("--ttt-steps", type=int, default=3, help="train.ttt_steps")
+    p.add_argument("--step-tokens", type=int, default=2048, help="train.max_tokens: tokens per training step")
+    p.add_argument("--extract-tokens", type=int, default=2048, help="extract.token_budget: tokens per target pass")
+    p.add_argument("--draft-vocab", type=int, default=4096, help="prepare.draft_vocab_size")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     p.add_argument("--mtbench", type=int, default=20, help="MT-bench questions (2 prompts each)")
     p.add_argument("--gsm8k", type=int, default=40, help="GSM8K test questions (1 prompt each)")
@@ -189,13 +196,15 @@ def base(a: argparse.Namespace, root: Path, name: str, target: str) -> list[str]
     """The overrides every run shares, in RUN_DIR root/name."""
     return [
         f"--run_dir={root / name}", f"--target.model={target}", f"--target.dtype={a.dtype}", "--seed=0",
-        f"--prepare.out_dir={root / 'prepare'}", "--prepare.data=embedded:sharegpt",
+        f"--prepare.out_dir={root / 'prepare'}", f"--prepare.data={a.data}",
+        *([f"--prepare.format={a.data_format}"] if a.data_format else []),
         f"--prepare.max_conversations={a.conversations}", f"--prepare.max_length={a.max_length}",
-        "--prepare.draft_vocab_size=4096",
+        f"--prepare.draft_vocab_size={a.draft_vocab}",
         f"--extract.device={a.device}", "--extract.store_dtype=bfloat16",
-        "--extract.token_budget=2048", "--extract.progress=false",
+        f"--extract.token_budget={a.extract_tokens}", "--extract.progress=false",
         f"--train.epochs={a.epochs}", f"--train.max_steps={a.max_steps}", f"--train.ttt_steps={a.ttt_steps}",
-        "--train.max_tokens=2048", f"--train.lr={a.lr}", "--train.log_every=10", "--train.eval_fraction=0.05",
+        f"--train.max_tokens={a.step_tokens}", f"--train.lr={a.lr}", "--train.log_every=10",
+        "--train.eval_fraction=0.05",
         "--train.save_every=1000",
         f"--evaluate.device={a.device}", f"--evaluate.mode={'both' if a.decode else 'simulate'}",
         f"--evaluate.max_new_tokens={a.new_tokens}", "--evaluate.num_draft_tokens=3",
@@ -368,26 +377,40 @@ def main(argv: list[str] | None = None) -> None:
     quant: dict[str, dict] = {}
     first: dict[str, Path] = {}
     runs = {}
+
+    def result(complete: bool) -> dict:
+        return {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "torch": torch.__version__,
+                "device": torch.cuda.get_device_name() if a.device == "cuda" else f"cpu ({os.cpu_count()} cores)",
+                "args": vars(a), "target": target,
+                "prompt_sets": {"mtbench": "mtbench", "gsm8k": {"file": str(gsm8k), "package": GSM8K_SPEC,
+                                                                "path": GSM8K_FILE, "questions_in_file": gsm8k_total}},
+                "runs": runs, "quantized": quant, "wall_s": round(time.perf_counter() - t_all, 1),
+                "run_dir": str(root), "complete": complete}
+
     for name, v in variants.items():
         key = states_key(v, a)
         if key not in states:
             states[key] = extract_states(a, root, key, v, target, quant)
         print(f"[bench] variant {name}: {' '.join(overrides(v, a)) or '(no overrides)'}, states {key}", flush=True)
         runs[name] = run_variant(a, root, name, v, target, states[key], sets, first)
+        save(result(complete=False))  # the variants so far survive a run stopped before the last
     for scheme, q in quant.items():  # the copy's states against the target's, both without extract overrides
         if "target" in states and scheme in states:
             q["state_error"] = state_error(states["target"], states[scheme])
-    result = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "torch": torch.__version__,
-              "device": torch.cuda.get_device_name() if a.device == "cuda" else f"cpu ({os.cpu_count()} cores)",
-              "args": vars(a), "target": target,
-              "prompt_sets": {"mtbench": "mtbench", "gsm8k": {"file": str(gsm8k), "package": GSM8K_SPEC,
-                                                              "path": GSM8K_FILE, "questions_in_file": gsm8k_total}},
-              "runs": runs, "quantized": quant, "wall_s": round(time.perf_counter() - t_all, 1), "run_dir": str(root)}
-    print_table(result)
-    if os.environ.get("OUT"):
-        path = Path(os.environ["OUT"]) / "bench_draft_variants.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=1))
+    print_table(result(complete=True))
+    save(result(complete=True), say=True)
+
+
+def save(result: dict, say: bool = False) -> None:
+    """OUT/bench_draft_variants.json, when OUT is set; replaced whole (written beside, then renamed)."""
+    if not os.environ.get("OUT"):
+        return
+    path = Path(os.environ["OUT"]) / "bench_draft_variants.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+    if say:
         print(f"wrote {path}")
 
 

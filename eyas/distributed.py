@@ -22,6 +22,16 @@ def is_ddp() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
+def resolve_device(device: str, local_rank: int, cuda_available: bool) -> torch.device:
+    """The device a rank computes on: `device` as given, except that a bare "cuda" means this rank's
+    GPU (cuda:LOCAL_RANK; torch.cuda.set_device refuses a device without an index); with no
+    `device`, cuda:LOCAL_RANK when CUDA is available, else cpu."""
+    if device:
+        dev = torch.device(device)
+        return torch.device("cuda", local_rank) if dev.type == "cuda" and dev.index is None else dev
+    return torch.device("cuda", local_rank) if cuda_available else torch.device("cpu")
+
+
 def compute_init(device: str = "") -> tuple[bool, int, int, int, torch.device]:
     """-> (ddp, rank, local_rank, world_size, device); joins the process group under torchrun.
 
@@ -31,12 +41,7 @@ def compute_init(device: str = "") -> tuple[bool, int, int, int, torch.device]:
     rank = int(os.environ.get("RANK", "0")) if ddp else 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if ddp else 0
     world_size = int(os.environ.get("WORLD_SIZE", "1")) if ddp else 1
-    if device:
-        dev = torch.device(device)
-    elif torch.cuda.is_available():
-        dev = torch.device("cuda", local_rank)
-    else:
-        dev = torch.device("cpu")
+    dev = resolve_device(device, local_rank, torch.cuda.is_available())
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if ddp and not dist.is_initialized():
