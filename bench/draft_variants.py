@@ -72,6 +72,12 @@ same tokens (with `--decode` each evaluation decodes its own baseline, to time i
   line, as evaluate.bench reads), or reads a file written so with `--gsm8k-file FILE` (a machine
   without the package).
 
+`--sets` chooses among them (default mtbench,gsm8k) and a third, long: the same MT-bench questions
+each grown to `--context-tokens N` tokens by earlier real ShareGPT turns ahead of it
+(`evaluate.context_tokens`), for drafts whose window is shorter than their context:
+
+    OMP_NUM_THREADS=1 python bench/draft_variants.py --variants baseline,swa --sets long --context-tokens 512
+
 Printed: a table, per variant: training seconds, the last logged training loss and the held-out
 loss, held-out acc_T (per TTT step), and per prompt set tau_chain_simulated and tau_tree_simulated
 (with --decode the decoded chain/tree tau and speedup too). A draft trained for minutes on a CPU is
@@ -148,6 +154,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gsm8k", type=int, default=40, help="GSM8K test questions (1 prompt each)")
     p.add_argument("--gsm8k-file", default="", help="GSM8K prompts already written as JSONL (default: from the package)")
     p.add_argument("--new-tokens", type=int, default=32, help="target-only greedy tokens per prompt")
+    p.add_argument("--sets", default="mtbench,gsm8k", help="prompt sets: mtbench, gsm8k, long (needs --context-tokens)")
+    p.add_argument("--context-tokens", type=int, default=0,
+                   help="the long set's evaluate.context_tokens: each MT-bench prompt grown to this many tokens")
     p.add_argument("--target", default="", help="the target's HF directory (default: the embedded SmolLM2-135M)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where extract, train and evaluate run")
     p.add_argument("--dtype", default="", help="target.dtype (default: float32 on cpu, bfloat16 on cuda)")
@@ -159,6 +168,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.set_defaults(conversations=12, epochs=1, max_steps=2, mtbench=1, gsm8k=2, new_tokens=16)
     a = p.parse_args(argv)
     a.dtype = a.dtype or ("bfloat16" if a.device == "cuda" else "float32")
+    a.sets = [n.strip() for n in a.sets.split(",") if n.strip()]
+    unknown = [n for n in a.sets if n not in ("mtbench", "gsm8k", "long")]
+    if unknown or not a.sets or ("long" in a.sets) != (a.context_tokens > 0):
+        p.error(f"--sets {','.join(a.sets)}: choose from mtbench, gsm8k, long; long with --context-tokens N, "
+                "and --context-tokens only with long")
     return a
 
 
@@ -307,10 +321,10 @@ def last_metrics(train_dir: Path) -> dict:
 
 
 def evaluate_set(a, root: Path, name: str, cfg_args: list[str], bench: str, label: str, questions: int,
-                 first: dict[str, Path]) -> dict:
+                 extra: tuple[str, ...], first: dict[str, Path]) -> dict:
     out_dir = root / name / f"evaluate-{label}"
     args = cfg_args + [f"--evaluate.bench={bench}", f"--evaluate.num_questions={questions}",
-                       f"--evaluate.out_dir={out_dir}"]
+                       f"--evaluate.out_dir={out_dir}", *extra]
     if not a.decode and label in first:
         args.append(f"--evaluate.target_outputs={first[label]}")
     t0 = time.perf_counter()
@@ -325,6 +339,15 @@ def evaluate_set(a, root: Path, name: str, cfg_args: list[str], bench: str, labe
     return r
 
 
+def prompt_sets(a: argparse.Namespace, gsm8k: Path) -> list[tuple[str, str, int, tuple[str, ...]]]:
+    """(label, evaluate.bench, questions, extra overrides) per chosen set: mtbench, gsm8k, and long
+    (MT-bench with earlier ShareGPT turns ahead of each question until its prompt holds
+    --context-tokens tokens: `evaluate.context_tokens`, contexts longer than a windowed draft's window)."""
+    table = {"mtbench": ("mtbench", a.mtbench, ()), "gsm8k": (str(gsm8k), a.gsm8k, ()),
+             "long": ("mtbench", a.mtbench, (f"--evaluate.context_tokens={a.context_tokens}",))}
+    return [(f"mtbench-ctx{a.context_tokens}" if n == "long" else n, *table[n]) for n in a.sets]
+
+
 def run_variant(a, root: Path, name: str, v: Variant, target: str, states: Path, sets, first) -> dict:
     cfg_args = base(a, root, name, target) + overrides(v, a) + [f"--extract.out_dir={states}"]
     cfg = load_config(None, cfg_args)
@@ -333,7 +356,8 @@ def run_variant(a, root: Path, name: str, v: Variant, target: str, states: Path,
     r = {"overrides": overrides(v, a), "states": v.states or "target",
          "train": {"seconds": round(time.perf_counter() - t0, 1), "steps": tmeta["counts"]["steps"],
                    **last_metrics(cfg.stage_dir("train"))}}
-    r["evaluate"] = {label: evaluate_set(a, root, name, cfg_args, bench, label, q, first) for label, bench, q in sets}
+    r["evaluate"] = {label: evaluate_set(a, root, name, cfg_args, bench, label, q, extra, first)
+                     for label, bench, q, extra in sets}
     return r
 
 
@@ -370,8 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     t_all = time.perf_counter()
     gsm8k = Path(a.gsm8k_file) if a.gsm8k_file else root / "prompts" / "gsm8k.jsonl"
-    gsm8k_total = None if a.gsm8k_file else write_gsm8k(gsm8k)
-    sets = [("mtbench", "mtbench", a.mtbench), ("gsm8k", str(gsm8k), a.gsm8k)]
+    gsm8k_total = None if a.gsm8k_file or "gsm8k" not in a.sets else write_gsm8k(gsm8k)
+    sets = prompt_sets(a, gsm8k)
     prepare.main(load_config(None, base(a, root, "prepare-run", target)))
     states: dict[str, Path] = {}
     quant: dict[str, dict] = {}

@@ -51,3 +51,12 @@ def test_gsm8k_prompts_are_the_test_split_as_evaluate_reads_them(tmp_path):
     assert qs[0]["id"] == "gsm8k-test-0" and len(qs[0]["turns"]) == 1
     assert qs[0]["turns"][0].startswith("Janet\u2019s ducks lay 16 eggs per day.")
     assert qs[1]["turns"][0].startswith("A robe takes 2 bolts of blue fiber")
+
+
+def test_the_long_set_grows_mtbench_prompts_to_the_context_tokens():
+    a = dv.parse(["--sets", "mtbench,long", "--context-tokens", "512", "--mtbench", "7"])
+    assert dv.prompt_sets(a, Path("g.jsonl")) == [
+        ("mtbench", "mtbench", 7, ()), ("mtbench-ctx512", "mtbench", 7, ("--evaluate.context_tokens=512",))]
+    for bad in (["--sets", "long"], ["--context-tokens", "512"], ["--sets", "mtbench,wiki"]):
+        with pytest.raises(SystemExit):
+            dv.parse(bad)
