@@ -421,27 +421,72 @@ def master_kill9(m, work: Path, rng) -> tuple[bool, str]:
         f"; cleanup killed {killed}" if killed else "")
 
 
+def _engine_log(pid: int) -> list[Path]:
+    """The files the engine actor's stdout and stderr go to (Ray's worker logs): what its vLLM
+    workers print reaches them while the trainer, which Ray forwards them to, is stopped."""
+    out = []
+    for fd in (1, 2):
+        try:
+            out.append(Path(os.readlink(f"/proc/{pid}/fd/{fd}")))
+        except OSError:
+            pass
+    return [f for f in out if f.is_file()]
+
+
+def _wait_in_files(files: list[Path], pattern: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(re.search(pattern, f.read_text(errors="replace")) for f in files):
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def full_store(m, work: Path, rng) -> tuple[bool, str]:
-    """A store far smaller than the window eyas is told to use (store_gb=0.017, window_gb=1; micro-batches of
-    1024 tokens, so that the 8 steps' ~30 MB of states, asked for in one call, overfill it): the engine's puts fail (Mooncake -200: the master's eviction is off). Held: the run completes
-    bit-identical with retries, or stops naming the store and train.stream.store_gb; then the same
-    command with the normal store completes bit-identical."""
+    """A store far smaller than the window eyas is told to use (store_gb=0.017, window_gb=1; every
+    sample asked for in one call). vLLM answers a request before the connector's put ends, so the
+    trainer's fetchers drain the store while the engine fills it, and on an idle machine they keep
+    up: the trainer is stopped (SIGSTOP) from the engine's first request until the engine's log says
+    a put failed (Mooncake -200: the master's eviction is off), or 120 s, then continued. Held: a put
+    failed and the run completes bit-identical with retries, or stops naming the store and
+    train.stream.store_gb; then the same command with the normal store completes bit-identical."""
     ref, run = reference(m, *BIG), _fresh(work)
     t0 = time.monotonic()
-    rc, out = _complete(m, run, work / "full.log", *BIG, *FULL_STORE)
+    t = _start(m, run, work / "full.log", *BIG, *FULL_STORE)
+    stopped_s, refused = 0.0, False
+    try:
+        pid = _engine_pid(t)
+        first = t.wait_for(r"Passing raw prompts", 300)  # vLLM's warning at the engine's first request
+        files = _engine_log(pid) if pid else []
+        if first and files and t.proc.poll() is None:
+            t.proc.send_signal(signal.SIGSTOP)
+            s0 = time.monotonic()
+            try:
+                refused = _wait_in_files(files, r"status=-200", 120)
+            finally:
+                t.proc.send_signal(signal.SIGCONT)
+                stopped_s = time.monotonic() - s0
+        rc = t.wait(600)
+        out = t.text()
+    finally:
+        killed = t.close()
     seconds = time.monotonic() - t0
     failed_puts = out.count("status=-200")  # as Mooncake's errors say it, in the engine's log and eyas's
     line = _last_error(out)
+    how = (f"trainer stopped {stopped_s:.1f} s while the engine put" if stopped_s
+           else "the trainer was NOT stopped (no engine log or first request found)")
     if rc == 0:
         ok, why, retried = _judge(run, ref)
-        first_ok, note = ok and retried > 0 and failed_puts > 0, f"store 0.017 GB, window 1 GB: exit 0 in {seconds:.0f} s, {why}"
-        if not failed_puts:
+        first_ok = ok and retried > 0 and failed_puts > 0 and refused
+        note = f"store 0.017 GB, window 1 GB, {how}: exit 0 in {seconds:.0f} s, {why}"
+        if not refused:
             note += " (the store refused no put: the fault never showed)"
     else:
-        first_ok = "train.stream.store_gb" in line and "store" in line
-        note = f"store 0.017 GB, window 1 GB: exit {rc} in {seconds:.0f} s: {line}"
+        first_ok = refused and "train.stream.store_gb" in line and "store" in line
+        note = f"store 0.017 GB, window 1 GB, {how}: exit {rc} in {seconds:.0f} s: {line}"
     same, again = _rerun(m, run, work, ref, *BIG)
-    return first_ok and same, f"{note} ({failed_puts} mentions of status=-200 in its output); {again}"
+    return first_ok and same, f"{note} ({failed_puts} mentions of status=-200 in its output); {again}" + (
+        f"; cleanup killed {killed}" if killed else "")
 
 
 def stalled_engine(m, work: Path, rng) -> tuple[bool, str]:
