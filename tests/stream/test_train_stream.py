@@ -127,8 +127,9 @@ def runs(tmp_path_factory, smollm2_dir):
     assert resumed == 0, (root / "resumed.log").read_text()[-6000:]
     t1 = time.perf_counter()
     common += [f"--prepare.out_dir={stream_dir / 'prepare'}"]  # the same samples, prepared once
+    # the parity check on 2 samples, not the proxy check (vllm_parity=0's: one more engine start)
     assert eyas_vllm(["extract", f"--run_dir={offline_dir}", *common, "--extract.backend=vllm",
-                      "--extract.vllm_parity=0", "--extract.verify=0"], root / "extract.log") == 0, \
+                      "--extract.vllm_parity=2", "--extract.verify=0"], root / "extract.log") == 0, \
         (root / "extract.log").read_text()[-6000:]
     assert eyas_vllm(["train", f"--run_dir={offline_dir}", *common], root / "offline.log") == 0, \
         (root / "offline.log").read_text()[-6000:]
@@ -156,6 +157,8 @@ def test_the_ledger_trained_every_sample_once_and_no_state_touched_the_disk(runs
     assert epoch["trained"] == epoch["samples"] > 0 and epoch["duplicates_dropped"] == 0
     # 6 steps of whole micro-batches: as many samples as the offline run's steps took
     assert meta["counts"]["steps"] == offline["counts"]["steps"] == 6
+    parity = json.loads((runs["offline"] / "extract" / "meta.json").read_text())["counts"]["this_run"]
+    assert parity["parity_checked"] == 2 and parity["parity_max_error"] < 1e-4  # the reference's states, checked
     assert not (runs["stream"] / "extract").exists()
     train = runs["stream"] / "train"  # the draft's own files only: checkpoints and the final draft
     states = [p for p in train.rglob("*.safetensors") if "checkpoints" not in p.parts and "final" not in p.parts]
