@@ -9,7 +9,8 @@ Mooncake's CPU wheel; scripts/vllm-venv.sh), on SmolLM2-135M-Instruct in fp32, o
    a Mooncake master the user runs with eviction off (train.stream.master). Where the states come
    from is not what training makes: the run key and the ledger carry over.
 3. The independent reference: the same prepare output extracted to disk by the vLLM backend
-   (`eyas extract --extract.backend=vllm`) and trained offline with the same settings.
+   (`eyas extract --extract.backend=vllm`) and trained offline with the same settings, while step 2
+   runs (each keeps about one core busy).
 
 The streamed, killed and resumed draft must equal the offline one bit for bit (fp32 on CPU: the
 same states, the same samples in the same order, each trained once), the ledger must say every
@@ -27,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -109,6 +111,16 @@ def served_engine(first_log: Path, log: Path, args_needing_it: list[str], port: 
             p.wait(timeout=60)
 
 
+def offline_reference(offline_dir: Path, common: list[str], root: Path) -> None:
+    """The stream's samples extracted to disk by the vLLM backend (the parity check on 2 samples, not
+    the proxy check: vllm_parity=0's, one more engine start) and trained offline."""
+    assert eyas_vllm(["extract", f"--run_dir={offline_dir}", *common, "--extract.backend=vllm",
+                      "--extract.vllm_parity=2", "--extract.verify=0"], root / "extract.log") == 0, \
+        (root / "extract.log").read_text()[-6000:]
+    assert eyas_vllm(["train", f"--run_dir={offline_dir}", *common], root / "offline.log") == 0, \
+        (root / "offline.log").read_text()[-6000:]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, smollm2_dir):
     root = tmp_path_factory.mktemp("stream")
@@ -120,19 +132,18 @@ def runs(tmp_path_factory, smollm2_dir):
     t0 = time.perf_counter()
     run_killed_at_checkpoint(args, stream_dir / "train" / "checkpoints" / "step_0000003", root / "killed.log")
     killed = (root / "killed.log").read_text()
-    sport = free_port()
-    by_url = [*args, f"--train.stream.engine_urls=[http://127.0.0.1:{sport}]"]
-    with served_engine(root / "first.log", root / "server.log", by_url, sport) as (master, first):
-        resumed = eyas_vllm([*by_url, f"--train.stream.master={master}"], root / "resumed.log")
+    offline_args = [*common, f"--prepare.out_dir={stream_dir / 'prepare'}"]  # the same samples, prepared once
+    with ThreadPoolExecutor(1) as pool:  # the reference (its own engine) goes on while the stream resumes
+        offline = pool.submit(offline_reference, offline_dir, offline_args, root)
+        sport = free_port()
+        by_url = [*args, f"--train.stream.engine_urls=[http://127.0.0.1:{sport}]"]
+        with served_engine(root / "first.log", root / "server.log", by_url, sport) as (master, first):
+            resumed = eyas_vllm([*by_url, f"--train.stream.master={master}"], root / "resumed.log")
+        t1 = time.perf_counter()
+        offline.result()
     assert resumed == 0, (root / "resumed.log").read_text()[-6000:]
-    t1 = time.perf_counter()
-    common += [f"--prepare.out_dir={stream_dir / 'prepare'}"]  # the same samples, prepared once
-    assert eyas_vllm(["extract", f"--run_dir={offline_dir}", *common, "--extract.backend=vllm",
-                      "--extract.vllm_parity=0", "--extract.verify=0"], root / "extract.log") == 0, \
-        (root / "extract.log").read_text()[-6000:]
-    assert eyas_vllm(["train", f"--run_dir={offline_dir}", *common], root / "offline.log") == 0, \
-        (root / "offline.log").read_text()[-6000:]
-    print(f"[stream test] stream killed + resumed {t1 - t0:.0f}s, offline extract + train {time.perf_counter() - t1:.0f}s")
+    print(f"[stream test] stream killed + resumed {t1 - t0:.0f}s, offline extract + train done "
+          f"{time.perf_counter() - t1:.0f}s later")
     return {"stream": stream_dir, "offline": offline_dir, "killed": killed, "first": first, "port": sport,
             "resumed": (root / "resumed.log").read_text()}
 
@@ -156,6 +167,8 @@ def test_the_ledger_trained_every_sample_once_and_no_state_touched_the_disk(runs
     assert epoch["trained"] == epoch["samples"] > 0 and epoch["duplicates_dropped"] == 0
     # 6 steps of whole micro-batches: as many samples as the offline run's steps took
     assert meta["counts"]["steps"] == offline["counts"]["steps"] == 6
+    parity = json.loads((runs["offline"] / "extract" / "meta.json").read_text())["counts"]["this_run"]
+    assert parity["parity_checked"] == 2 and parity["parity_max_error"] < 1e-4  # the reference's states, checked
     assert not (runs["stream"] / "extract").exists()
     train = runs["stream"] / "train"  # the draft's own files only: checkpoints and the final draft
     states = [p for p in train.rglob("*.safetensors") if "checkpoints" not in p.parts and "final" not in p.parts]
