@@ -7,7 +7,8 @@ Mooncake's CPU wheel; scripts/vllm-venv.sh), on SmolLM2-135M-Instruct in fp32, o
 2. The same command resumes it from that checkpoint with the engine given by URL instead
    (train.stream.engine_urls): a real vLLM OpenAI server started with the arguments eyas prints, on
    a Mooncake master the user runs with eviction off (train.stream.master). Where the states come
-   from is not what training makes: the run key and the ledger carry over.
+   from is not what training makes: the run key and the ledger carry over. The proxy check it asks
+   for (extract.vllm_proxy_parity=always) is skipped there, and says so.
 3. The independent reference: the same prepare output extracted to disk by the vLLM backend
    (`eyas extract --extract.backend=vllm`) and trained offline with the same settings.
 
@@ -121,7 +122,8 @@ def runs(tmp_path_factory, smollm2_dir):
     run_killed_at_checkpoint(args, stream_dir / "train" / "checkpoints" / "step_0000003", root / "killed.log")
     killed = (root / "killed.log").read_text()
     sport = free_port()
-    by_url = [*args, f"--train.stream.engine_urls=[http://127.0.0.1:{sport}]"]
+    # the proxy check asked for (it never changes the run key) but skipped: the engines are the user's servers
+    by_url = [*args, f"--train.stream.engine_urls=[http://127.0.0.1:{sport}]", "--extract.vllm_proxy_parity=always"]
     with served_engine(root / "first.log", root / "server.log", by_url, sport) as (master, first):
         resumed = eyas_vllm([*by_url, f"--train.stream.master={master}"], root / "resumed.log")
     assert resumed == 0, (root / "resumed.log").read_text()[-6000:]
@@ -249,6 +251,10 @@ def test_the_resume_took_its_states_from_a_vllm_server_started_with_the_argument
     assert f"{url} does not answer as a vLLM server" in runs["first"]
     assert f"engine {url} (vLLM" in runs["resumed"] and "engine-0 ready" not in runs["resumed"]
     assert "engine-0 ready" in runs["killed"]
+    # extract.vllm_proxy_parity=always cannot use the user's servers: said, recorded, and no proxy engine started
+    meta = json.loads((runs["stream"] / "train" / "meta.json").read_text())
+    assert meta["metrics"]["stream"]["vllm_proxy_parity"]["skipped"].startswith("engines given by URL")
+    assert "vLLM is not checked on a proxy" in runs["resumed"] and "vllm-proxy" not in runs["resumed"]
 
 
 def test_stream_mode_checks_vllm_on_a_proxy_when_no_sample_is_compared_with_the_target():
