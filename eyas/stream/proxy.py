@@ -24,6 +24,7 @@ skipped, and said so.
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,8 @@ def check(cfg, out: Path, master: str, namespace: str, transport, cpu: bool, com
           stored: torch.dtype) -> dict[str, Any]:
     """Build the proxy in `out`, run it through one stream engine on `master` (Ray namespace
     `namespace`), fetch its states through `transport` and compare them with transformers; -> what was
-    checked, for the train stage's records. EyasError when vLLM disagrees or the engine fails."""
+    checked (with its seconds), for the train stage's records. EyasError when vLLM disagrees or the
+    engine fails."""
     from eyas.extract import vllm_backend
     from eyas.extract.backend import default_tolerance
     from eyas.extract.vllm_proxy import build
@@ -65,6 +67,7 @@ def check(cfg, out: Path, master: str, namespace: str, transport, cpu: bool, com
     from eyas.stream.transport import store_config
 
     sc, ec = cfg.train.stream, cfg.extract
+    t0 = time.perf_counter()
     proxy = build(cfg, out, "train")
     proxy_cfg = proxy.target(cfg)
     longest = max(t.numel() for t in proxy.tokens)
@@ -91,7 +94,8 @@ def check(cfg, out: Path, master: str, namespace: str, transport, cpu: bool, com
             if not cpu:
                 eng.release_gpus(namespace, NAME)
         tol = ec.parity_tol or max(default_tolerance(compute), default_tolerance(stored))
-        return proxy.judge(proxy.reference_model(cfg, proxy.layer_ids, stored), states, tol, ec, "train")
+        record = proxy.judge(proxy.reference_model(cfg, proxy.layer_ids, stored), states, tol, ec, "train")
+        return {**record, "seconds": round(time.perf_counter() - t0, 1)}  # the engine's start, mostly
     finally:
         proxy.remove()
 

@@ -235,7 +235,7 @@ def test_the_deepseek_stream_recipe_at_tensor_parallel_2_streams_to_two_trainer_
     rank0, rank1 = meta["metrics"]["stream"]["ranks"]
     assert rank0["parity_checked"] == 0  # the recipe's train.stream.parity=0: the proxy instead
     proxy = meta["metrics"]["stream"]["vllm_proxy_parity"]
-    assert proxy["samples"] == 2 and proxy["max_relative_error"] < 1e-4 and proxy["layers"] == 3
+    assert proxy["samples"] == 2 and proxy["max_relative_error"] < 1e-4 and proxy["layers"] == 3 and proxy["seconds"] > 0
     assert proxy["dir"] == str(run / "train" / "stream" / "vllm-proxy") and not Path(proxy["dir"]).exists()
     # the proxy's engine started, was checked and stopped before the target's engine was asked for
     assert log.index("vllm-proxy ready") < log.index("proxy parity: 2 samples") < log.index("engine-0 ready")
