@@ -345,7 +345,7 @@ class Proxy:
             parity = check_parity(backend, checks, tol, proxy=True)
         except ParityError as e:
             raise EyasError(f"vLLM disagrees with transformers on a tiny random model of the target's architecture "
-                            f"({self.directory}): {e}.{_rope_note(ec, self.text)} The target's own run would store "
+                            f"({self.directory}): {e}.{_rope_note(ec, self.text)} The target's own run would capture "
                             "such states: it does not start (--extract.vllm_proxy_parity=never skips this check)") from e
         print(f"[eyas:{where}] proxy parity: {len(parity.errors)} samples, max relative error {max(parity.errors):.2e}",
               flush=True)
