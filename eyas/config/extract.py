@@ -79,7 +79,8 @@ class ExtractConfig:
     the target where that is compressed-tensors INT4/INT8, else unquantized) and check it against
     transformers on every captured layer (eyas/extract/vllm_proxy.py); a
     disagreement stops the run. auto = when extract.vllm_parity=0 (the target itself has no float
-    reference); always; never."""
+    reference); always; never. train.mode=stream runs it too, through one stream engine (Mooncake's
+    store and all) before the target's engines start: there auto = when train.stream.parity=0."""
     vllm_scratch_dir: str = ""
     """vLLM backend: the engine writes one safetensors file per request into DIR/vllm-scratch, read
     back and deleted within the batch; empty = vllm-scratch-extract beside the output directory (in

@@ -56,7 +56,9 @@ class StreamConfig:
     """The first this-many samples of every engine that trainer rank 0 receives are compared with a
     plain forward of the target through transformers on CPU (as extract.vllm_parity does); a
     mismatch stops the run naming the engine, sample and layer. It loads the whole target into
-    host memory: 0 for targets that do not fit (check vLLM on a smaller one of the same family)."""
+    host memory: 0 for targets that do not fit, where vLLM is checked on a proxy instead (a tiny random
+    model of the target's architecture through one stream engine, before the target's engines load:
+    extract.vllm_proxy_parity, whose auto runs it when this is 0)."""
     max_attempts: int = 3
     """Times one sample is asked for before the run stops naming it and its errors."""
     engine_restarts: int = 2

@@ -21,7 +21,12 @@ Other methods (DeepSeek-V3's block fp8) leave the proxy unquantized, and the che
 the proxy never covers: the target's trained weights, and anything in its forward that depends on
 sizes the proxy shrinks.
 
-    extract.vllm_proxy_parity = auto   # with extract.vllm_parity=0 (no direct reference), else skipped
+In train.mode=stream the same proxy runs through one stream engine (eyas/stream/proxy.py: the
+target's engine arguments, Mooncake connector and store) before the target's engines start, its
+states fetched from Mooncake's store as the trainer's are; there `auto` follows train.stream.parity.
+
+    extract.vllm_proxy_parity = auto   # with extract.vllm_parity=0 (train.mode=stream: train.stream.parity=0),
+                                       # i.e. no direct reference; else skipped
                               = always | never
 """
 
@@ -265,16 +270,94 @@ def build_proxy(config: dict[str, Any], out: Path, seed: int = 0, prefix: str = 
     return out, reference_dir
 
 
-def wanted(ec) -> bool:
-    """Whether this run checks vLLM on a proxy (extract.vllm_proxy_parity)."""
-    return ec.vllm_proxy_parity == "always" or (ec.vllm_proxy_parity == "auto" and ec.vllm_parity == 0)
+def wanted(ec, direct: int | None = None) -> bool:
+    """Whether this run checks vLLM on a proxy (extract.vllm_proxy_parity): always, or (auto) when no
+    sample is compared with the target itself. `direct`: the samples so compared, extract.vllm_parity
+    unless given (train.mode=stream passes train.stream.parity)."""
+    direct = ec.vllm_parity if direct is None else direct
+    return ec.vllm_proxy_parity == "always" or (ec.vllm_proxy_parity == "auto" and direct == 0)
 
 
-def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
-    """Build the proxy in the output directory, run it through `make_backend` (the vLLM backend's
-    factory, with the run's engine arguments) on two random prompts, and compare with transformers;
-    -> what was checked, for meta.json. ParityError (an EyasError) when vLLM disagrees."""
-    from eyas.extract.backend import ParityError, check_parity, default_tolerance
+@dataclasses.dataclass
+class Proxy:
+    """A proxy built for a run (`build`): what vLLM loads, what transformers loads, and the prompts."""
+
+    config: dict[str, Any]  # its config.json
+    directory: Path  # what vLLM loads
+    reference_dir: Path  # what transformers loads (`directory` unless quantized)
+    quantization: str  # what the check covers of the target's quantization, in words
+    tokens: list[torch.Tensor]  # the two random prompts
+
+    @property
+    def text(self) -> dict[str, Any]:
+        return text_part(self.config)
+
+    @property
+    def layers(self) -> int:
+        return int(self.text["num_hidden_layers"])
+
+    @property
+    def layer_ids(self) -> list[int]:
+        """Every layer but the embeddings' (a DeepSeek model's vLLM captures no layer 0)."""
+        return list(range(1, self.layers))
+
+    @property
+    def quantized(self) -> bool:
+        return "quantization_config" in self.config or "quantization_config" in self.text
+
+    def target(self, cfg):
+        """A copy of `cfg` whose target is the proxy (vLLM's directory)."""
+        proxy_cfg = copy.deepcopy(cfg)
+        proxy_cfg.target.model, proxy_cfg.target.revision = str(self.directory), ""
+        return proxy_cfg
+
+    def reference_model(self, cfg, layer_ids: list[int], dtype: torch.dtype):
+        """transformers on the proxy's float weights, on CPU: the HF backend the parity check compares with."""
+        from eyas.extract.backend import HFBackend
+        from eyas.target import load_model
+
+        target = dataclasses.replace(cfg.target, model=str(self.reference_dir), revision="")
+        return HFBackend(load_model(target, device="cpu"), layer_ids, dtype)
+
+    def remove(self) -> None:
+        """Delete its weights: the target's vocabulary x hidden, twice when quantized."""
+        shutil.rmtree(self.directory, ignore_errors=True)
+        shutil.rmtree(self.reference_dir, ignore_errors=True)
+
+    def start_failed(self, e: EyasError) -> EyasError | None:
+        """What to raise instead of `e` (vLLM could not start the proxy's engine), or None for `e` itself:
+        for a quantized proxy, where the scheme is the likely cause and the target's would fail so too."""
+        if not self.quantized:
+            return None
+        return EyasError(f"vLLM could not run a tiny model of the target's architecture quantized as the target is "
+                         f"({self.quantization}). Where vLLM's log above names the quantization (no kernel for this "
+                         f"scheme here), the target's own engine would fail the same way, after its load; otherwise "
+                         f"--extract.vllm_proxy_parity=never goes on without this check. {e}")
+
+    def judge(self, backend, states: list[torch.Tensor], tol: float, ec, where: str) -> dict[str, Any]:
+        """vLLM's `states` of the prompts (states_SKD each, final norm applied) against `backend` (the
+        transformers reference) -> what was checked, for the records. EyasError (naming the proxy, the
+        layer and the error, and how to skip the check) when they disagree."""
+        from eyas.extract.backend import ParityError, check_parity
+
+        checks = [(f"proxy-{k}", s, t) for k, (s, t) in enumerate(zip(states, self.tokens))]
+        try:
+            parity = check_parity(backend, checks, tol, proxy=True)
+        except ParityError as e:
+            raise EyasError(f"vLLM disagrees with transformers on a tiny random model of the target's architecture "
+                            f"({self.directory}): {e}.{_rope_note(ec, self.text)} The target's own run would capture "
+                            "such states: it does not start (--extract.vllm_proxy_parity=never skips this check)") from e
+        print(f"[eyas:{where}] proxy parity: {len(parity.errors)} samples, max relative error {max(parity.errors):.2e}",
+              flush=True)
+        return {"dir": str(self.directory), "layers": self.layers, "hidden_size": self.text["hidden_size"],
+                "quantization": self.quantization, "samples": len(parity.errors),
+                "max_relative_error": max(parity.errors)}
+
+
+def build(cfg, out: Path, where: str) -> Proxy:
+    """The proxy of cfg.target, built in `out` from the target's config.json for the run's tensor and
+    expert parallelism (said in one line, `where` its prefix). ConfigError when the target is no local
+    directory."""
     from eyas.target import model_path, text_model
 
     ec = cfg.extract
@@ -286,56 +369,51 @@ def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
     target_config = json.loads(source.read_text())
     config = proxy_config(target_config, ec.vllm_tensor_parallel_size, ec.vllm_enable_expert_parallel)
     quantization = _quantization_note(target_config, config)
-    directory, reference_dir = build_proxy(config, setup.out / PROXY_DIR, prefix=text_model(cfg.target).prefix)
+    directory, reference_dir = build_proxy(config, out, prefix=text_model(cfg.target).prefix)
     text = text_part(config)
-    layers = int(text["num_hidden_layers"])
-    layer_ids = list(range(1, layers))
-    proxy_cfg = copy.deepcopy(cfg)
-    proxy_cfg.target.model, proxy_cfg.target.revision = str(directory), ""
-    proxy_cfg.extract.vllm_parity = 2
-    proxy_cfg.extract.vllm_max_model_len = 0
     g = torch.Generator().manual_seed(0)
     tokens = [torch.randint(0, int(text["vocab_size"]), (n,), generator=g) for n in (48, 29)]
-    proxy_setup = dataclasses.replace(setup, layer_ids=layer_ids, num_layers=layers, hidden=int(text["hidden_size"]),
-                                      prepared=SimpleNamespace(ids=["proxy-0", "proxy-1"]))
-    print(f"[eyas:extract] vLLM checked on a proxy of the target first (extract.vllm_proxy_parity): "
-          f"{config.get('architectures')}, {layers} layers, hidden {text['hidden_size']}, "
+    print(f"[eyas:{where}] vLLM checked on a proxy of the target first (extract.vllm_proxy_parity): "
+          f"{config.get('architectures')}, {text['num_hidden_layers']} layers, hidden {text['hidden_size']}, "
           f"{text['num_attention_heads']} heads" + (f", {text['n_routed_experts']} experts"
                                                     if "n_routed_experts" in text else "")
           + f"; quantization: {quantization}; {directory}", flush=True)
+    return Proxy(config, directory, reference_dir, quantization, tokens)
+
+
+def check_proxy(cfg, setup, make_backend) -> dict[str, Any]:
+    """Build the proxy in the output directory, run it through `make_backend` (the vLLM backend's
+    factory, with the run's engine arguments) on two random prompts, and compare with transformers;
+    -> what was checked, for meta.json. EyasError when vLLM disagrees."""
+    from eyas.extract.backend import default_tolerance
+
+    ec = cfg.extract
+    proxy = build(cfg, setup.out / PROXY_DIR, "extract")
+    proxy_cfg = proxy.target(cfg)
+    proxy_cfg.extract.vllm_parity = 2
+    proxy_cfg.extract.vllm_max_model_len = 0
+    proxy_setup = dataclasses.replace(setup, layer_ids=proxy.layer_ids, num_layers=proxy.layers,
+                                      hidden=int(proxy.text["hidden_size"]),
+                                      prepared=SimpleNamespace(ids=["proxy-0", "proxy-1"]))
+    tokens = proxy.tokens
     try:
-        backend = make_backend(proxy_cfg, proxy_setup, max(t.numel() for t in tokens), reference_model=str(reference_dir))
+        backend = make_backend(proxy_cfg, proxy_setup, max(t.numel() for t in tokens),
+                               reference_model=str(proxy.reference_dir))
     except EyasError as e:
-        shutil.rmtree(directory, ignore_errors=True)
-        shutil.rmtree(reference_dir, ignore_errors=True)
-        if "quantization_config" not in config and "quantization_config" not in text:
+        proxy.remove()
+        instead = proxy.start_failed(e)
+        if instead is None:
             raise
-        raise EyasError(f"vLLM could not run a tiny model of the target's architecture quantized as the target is "
-                        f"({quantization}). Where vLLM's log above names the quantization (no kernel for this scheme "
-                        f"here), the target's own engine would fail the same way, after its load; otherwise "
-                        f"--extract.vllm_proxy_parity=never goes on without this check. {e}") from e
+        raise instead from e
     try:
         batch = Batch([0, 1], [t.numel() for t in tokens], 1, sum(t.numel() for t in tokens), True)
         states = backend.forward(batch, tokens)
         tol = ec.parity_tol or max(default_tolerance(setup.compute_dtype), default_tolerance(setup.capture_dtype))
-        checks, at = [], 0
-        for name, t in zip(proxy_setup.prepared.ids, tokens):
-            checks.append((name, states[at: at + t.numel()], t))
-            at += t.numel()
-        try:
-            parity = check_parity(backend, checks, tol, proxy=True)
-        except ParityError as e:
-            raise EyasError(f"vLLM disagrees with transformers on a tiny random model of the target's architecture "
-                            f"({directory}): {e}.{_rope_note(ec, text)} The target's own run would store such states: "
-                            "it does not start") from e
+        ends = torch.tensor([t.numel() for t in tokens]).cumsum(0).tolist()
+        return proxy.judge(backend, [states[end - t.numel(): end] for t, end in zip(tokens, ends)], tol, ec, "extract")
     finally:
         backend.close()
-        shutil.rmtree(directory, ignore_errors=True)  # its weights: the target's vocabulary x hidden, twice
-        shutil.rmtree(reference_dir, ignore_errors=True)
-    print(f"[eyas:extract] proxy parity: {len(parity.errors)} samples, max relative error {max(parity.errors):.2e}",
-          flush=True)
-    return {"dir": str(directory), "layers": layers, "hidden_size": text["hidden_size"], "quantization": quantization,
-            "samples": len(parity.errors), "max_relative_error": max(parity.errors)}
+        proxy.remove()
 
 
 def _rope_note(ec, text: dict[str, Any]) -> str:

@@ -32,7 +32,6 @@ import torch
 from eyas.errors import ConfigError, EyasError, exception_message  # noqa: F401
 
 NAMESPACE_PREFIX = "eyas-stream"
-ANSWER_S = 5  # a live engine answers ready() within milliseconds, even while it prefills
 LOCAL_OBJECT_STORE = 512 << 20  # Ray's object store carries only token ids and manifests; the states go through Mooncake
 
 
@@ -44,6 +43,7 @@ class Session:
     engines: list = field(default_factory=list)
     master: Any = None  # transport.Master when eyas started it
     started_ray: bool = False
+    proxy: dict | None = None  # rank 0: the vLLM proxy check's record (eyas/stream/proxy.py), when it was wanted
 
     names: list = field(default_factory=list)
 
@@ -52,16 +52,11 @@ class Session:
         try:
             if self.states is not None:
                 self.states.close()
-            for name, e in zip(self.names or [f"engine-{k}" for k in range(len(self.engines))], self.engines):
-                try:  # one that does not answer at once (stopped, hung: what may have stopped the run) is
-                    # killed, not waited on for a minute
-                    ray.get(e.ready.remote(), timeout=ANSWER_S)
-                    ray.get(e.shutdown.remote(), timeout=60)
-                except Exception as err:  # an engine already gone: nothing to shut down
-                    print(f"[eyas:train] stream: {name} did not shut down cleanly ({type(err).__name__}: "
-                          f"{exception_message(err)}); killed", flush=True)
-                with contextlib.suppress(Exception):
-                    ray.kill(e)
+            if self.engines:
+                from eyas.stream.engines import stop_engine
+
+                for name, e in zip(self.names or [f"engine-{k}" for k in range(len(self.engines))], self.engines):
+                    stop_engine(e, name)
             if ray is not None and ray.is_initialized():
                 ray.shutdown()
         finally:
@@ -140,6 +135,7 @@ def _open(cfg, data, rank: int, world: int, out: Path, session: Session) -> Sess
     from eyas.distributed import rank0_object
     from eyas.extract import vllm_backend
     from eyas.stream import engines as eng
+    from eyas.stream import proxy
     from eyas.stream.source import StreamStates
     from eyas.stream.transport import Master, Transport, store_config
     from eyas.target import load_hf_config, resolve_dtype
@@ -188,10 +184,20 @@ def _open(cfg, data, rank: int, world: int, out: Path, session: Session) -> Sess
     served = list(sc.engine_urls)
     names = [f"served-{k}" for k in range(len(served))] if served else [f"engine-{k}" for k in range(sc.engines)]
     handles: list = []
+    transport = None  # rank 0's, made early when the proxy check fetches through it
     if rank == 0:
         store = store_config(info["master"], int(sc.store_gb * 1e9), host=sc.host, protocol=sc.protocol,
                              device=sc.device)
         kw = eng.engine_kwargs(base, store, cpu)
+        if proxy.wanted(cfg):  # vLLM on a tiny model of the target's architecture, before the target's long load
+            if served:
+                session.proxy = proxy.skipped_by_url(cfg)
+            else:
+                host = ray.util.get_node_ip_address() if sc.host == "auto" else sc.host
+                transport = Transport(store_config(info["master"], 0, host=host, protocol=sc.protocol,
+                                                   device=sc.device))
+                session.proxy = proxy.check(cfg, out / "stream" / proxy.NAME, info["master"], info["namespace"],
+                                            transport, cpu, compute, stored)
         if served:  # the user's servers: what they must run with, then a client actor per URL
             print(f"[eyas:train] stream: engines given by URL ({', '.join(served)}); each must run as\n  "
                   f"{eng.served_command(kw)}", flush=True)
@@ -202,8 +208,9 @@ def _open(cfg, data, rank: int, world: int, out: Path, session: Session) -> Sess
     info = rank0_object(info)  # every rank waits here until the engines are up
     if rank != 0:
         handles = [ray.get_actor(n, namespace=info["namespace"]) for n in names]
-    host = ray.util.get_node_ip_address() if sc.host == "auto" else sc.host  # this rank's node
-    transport = Transport(store_config(info["master"], 0, host=host, protocol=sc.protocol, device=sc.device))
+    if transport is None:
+        host = ray.util.get_node_ip_address() if sc.host == "auto" else sc.host  # this rank's node
+        transport = Transport(store_config(info["master"], 0, host=host, protocol=sc.protocol, device=sc.device))
     norm = vllm_backend.load_final_norm(cfg.target, compute)
     def reference():  # transformers on CPU, loaded at the first parity check (rank 0)
         from eyas.extract.backend import HFBackend

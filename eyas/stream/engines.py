@@ -22,6 +22,7 @@ from typing import Any
 from eyas.errors import exception_message
 
 CALLS_PER_RANK = 2  # eyas.stream.source.DEPTH: extract calls a trainer rank keeps waiting per engine
+ANSWER_S = 5  # a live engine answers ready() within milliseconds, even while it prefills
 CPU_CONNECTOR = ("eyas.stream.vllm_connector", "CPUMooncakeHiddenStatesConnector")
 STOCK_CONNECTOR = ("hs_connectors.mooncake_hidden_states_connector", "MooncakeHiddenStatesConnector")
 
@@ -204,6 +205,35 @@ def start_engines(kwargs: dict[str, Any], names: list[str], namespace: str, sc, 
         print(f"[eyas:train] stream: {name} ready (vLLM {info['vllm']}, pid {info['pid']}, target loaded in "
               f"{info['load_s']:.0f} s; {time.perf_counter() - t0:.0f} s since the first engine was asked for)", flush=True)
     return handles
+
+
+def stop_engine(handle, name: str) -> None:
+    """Shut an engine actor down (vLLM's processes), then kill it; one that does not answer at once
+    (stopped, hung: what may have stopped the run) is killed, not waited on for a minute."""
+    import contextlib
+
+    import ray
+
+    try:
+        ray.get(handle.ready.remote(), timeout=ANSWER_S)
+        ray.get(handle.shutdown.remote(), timeout=60)
+    except Exception as err:  # an engine already gone: nothing to shut down
+        print(f"[eyas:train] stream: {name} did not shut down cleanly ({type(err).__name__}: "
+              f"{exception_message(err)}); killed", flush=True)
+    with contextlib.suppress(Exception):
+        ray.kill(handle)
+
+
+def release_gpus(namespace: str, name: str) -> None:
+    """Remove the placement group `start_engines` made for engine `name` (GPUs only), once the engine
+    is stopped: its GPUs go to the engines started next."""
+    import ray
+
+    try:
+        pg = ray.util.get_placement_group(f"{namespace}-{name}")
+    except ValueError:  # none (vLLM's CPU build places no group)
+        return
+    ray.util.remove_placement_group(pg)
 
 
 class ServedEngine:

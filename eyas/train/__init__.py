@@ -118,6 +118,8 @@ def _run(cfg: EyasConfig, data, rank: int, world_size: int, device) -> dict[str,
             from eyas.stream.source import combine_summaries
 
             metrics["stream"] = combine_summaries(gather_objects(stream.states.summary()))
+            if stream.proxy is not None:  # rank 0's: vLLM checked on a proxy before the engines loaded
+                metrics["stream"]["vllm_proxy_parity"] = stream.proxy
         if tr.init_from:
             data.inputs["init_from"] = tr.init_from
         final = out / "final"

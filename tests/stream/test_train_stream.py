@@ -7,7 +7,8 @@ Mooncake's CPU wheel; scripts/vllm-venv.sh), on SmolLM2-135M-Instruct in fp32, o
 2. The same command resumes it from that checkpoint with the engine given by URL instead
    (train.stream.engine_urls): a real vLLM OpenAI server started with the arguments eyas prints, on
    a Mooncake master the user runs with eviction off (train.stream.master). Where the states come
-   from is not what training makes: the run key and the ledger carry over.
+   from is not what training makes: the run key and the ledger carry over. The proxy check it asks
+   for (extract.vllm_proxy_parity=always) is skipped there, and says so.
 3. The independent reference: the same prepare output extracted to disk by the vLLM backend
    (`eyas extract --extract.backend=vllm`) and trained offline with the same settings, while step 2
    runs (each keeps about one core busy).
@@ -136,7 +137,8 @@ def runs(tmp_path_factory, smollm2_dir):
     with ThreadPoolExecutor(1) as pool:  # the reference (its own engine) goes on while the stream resumes
         offline = pool.submit(offline_reference, offline_dir, offline_args, root)
         sport = free_port()
-        by_url = [*args, f"--train.stream.engine_urls=[http://127.0.0.1:{sport}]"]
+        # the proxy check asked for (it never changes the run key) but skipped: the engines are the user's servers
+        by_url = [*args, f"--train.stream.engine_urls=[http://127.0.0.1:{sport}]", "--extract.vllm_proxy_parity=always"]
         with served_engine(root / "first.log", root / "server.log", by_url, sport) as (master, first):
             resumed = eyas_vllm([*by_url, f"--train.stream.master={master}"], root / "resumed.log")
         t1 = time.perf_counter()
@@ -215,8 +217,11 @@ def test_the_deepseek_stream_recipe_at_tensor_parallel_2_streams_to_two_trainer_
     """recipes/deepseek-v3-stream.yaml as its first lines say (torchrun, `eyas run`), CPU-sized as the
     8-GPU recipes are (tests/vllm_serving.py CPU_SIZED) and on one node: a tiny DeepSeek-V3 (MLA,
     routed MoE, YaRN) in one vLLM engine at tensor parallel 2 (eyas binds its CPU threads), two
-    trainer ranks (FSDP2), parity on the engine's first samples: each rank asks the engine for its
-    own share of every step, and the ledgers together trained every dealt sample once."""
+    trainer ranks (FSDP2): each rank asks the engine for its own share of every step, and the ledgers
+    together trained every dealt sample once. The recipe's train.stream.parity=0 (no host holds
+    DeepSeek-V3 in float) checks vLLM on a proxy instead, before the target's engine starts: a tiny
+    random DeepSeek-V3 of the same config through one stream engine at tensor parallel 2, its states
+    fetched from Mooncake's store and compared with transformers."""
     recipe = REPO / "recipes" / "deepseek-v3-stream.yaml"
     assert "torchrun --nproc-per-node 8 -m eyas run recipes/deepseek-v3-stream.yaml" in recipe.read_text()
     target = save_deepseek_v3(tmp_path / "target", smollm2_dir, q_lora_rank=64, yarn=True)
@@ -224,7 +229,7 @@ def test_the_deepseek_stream_recipe_at_tensor_parallel_2_streams_to_two_trainer_
     run = tmp_path / "run"
     torchrun = Path(vllm_python()).parent / "torchrun"
     one_node = ["--regenerate.enabled=false", "--stop_after=train", "--train.stream.host=127.0.0.1",
-                "--train.stream.store_gb=0.5", "--train.stream.parity=2", "--extract.layer_ids=[1,2,3]"]
+                "--train.stream.store_gb=0.5", "--extract.layer_ids=[1,2,3]"]
     env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # eyas binds the threads itself
     with open(tmp_path / "run.log", "w") as f:
@@ -241,7 +246,13 @@ def test_the_deepseek_stream_recipe_at_tensor_parallel_2_streams_to_two_trainer_
     # 3 steps x 2 ranks x one micro-batch each: every sample dealt to either rank trained once
     assert epoch["trained"] == epoch["samples"] >= 6 and epoch["duplicates_dropped"] == 0
     rank0, rank1 = meta["metrics"]["stream"]["ranks"]
-    assert rank0["parity_checked"] == 2 and rank0["parity_max_error"] < 1e-4
+    assert rank0["parity_checked"] == 0  # the recipe's train.stream.parity=0: the proxy instead
+    proxy = meta["metrics"]["stream"]["vllm_proxy_parity"]
+    assert proxy["samples"] == 2 and proxy["max_relative_error"] < 1e-4 and proxy["layers"] == 3 and proxy["seconds"] > 0
+    assert proxy["dir"] == str(run / "train" / "stream" / "vllm-proxy") and not Path(proxy["dir"]).exists()
+    # the proxy's engine started, was checked and stopped before the target's engine was asked for
+    assert log.index("vllm-proxy ready") < log.index("proxy parity: 2 samples") < log.index("engine-0 ready")
+    assert "vllm-proxy did not shut down cleanly" not in log
     assert not (run / "extract").exists()
 
 
@@ -253,6 +264,25 @@ def test_the_resume_took_its_states_from_a_vllm_server_started_with_the_argument
     assert f"{url} does not answer as a vLLM server" in runs["first"]
     assert f"engine {url} (vLLM" in runs["resumed"] and "engine-0 ready" not in runs["resumed"]
     assert "engine-0 ready" in runs["killed"]
+    # extract.vllm_proxy_parity=always cannot use the user's servers: said, recorded, and no proxy engine started
+    meta = json.loads((runs["stream"] / "train" / "meta.json").read_text())
+    assert meta["metrics"]["stream"]["vllm_proxy_parity"]["skipped"].startswith("engines given by URL")
+    assert "vLLM is not checked on a proxy" in runs["resumed"] and "vllm-proxy" not in runs["resumed"]
+
+
+def test_stream_mode_checks_vllm_on_a_proxy_when_no_sample_is_compared_with_the_target():
+    """extract.vllm_proxy_parity in train.mode=stream: auto follows train.stream.parity (the samples
+    compared with the target itself), not extract.vllm_parity (extract's)."""
+    from eyas.config import load_config
+    from eyas.stream.proxy import wanted
+
+    def stream(*flags):
+        return wanted(load_config(None, ["--train.mode=stream", *flags]))
+
+    assert stream("--train.stream.parity=0") and not stream()
+    assert not stream("--extract.vllm_parity=0") and stream("--train.stream.parity=0", "--extract.vllm_parity=4")
+    assert stream("--extract.vllm_proxy_parity=always")
+    assert not stream("--train.stream.parity=0", "--extract.vllm_proxy_parity=never")
 
 
 def test_stream_settings_never_change_the_train_run_key():
