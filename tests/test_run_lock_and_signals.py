@@ -142,7 +142,9 @@ def test_sighup_stops_the_run_as_sigterm_does_with_a_summary(tmp_path, smollm2_d
     The stage is prepare on enough conversations to take seconds."""
     chats = write_synthetic_chats(tmp_path / "chats.jsonl", 2000, max_words=200)
     run = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # PYTHONFAULTHANDLER: a run that does not stop is made to print every thread's stack (SIGABRT) before
+    # the test fails, so that the failure says where it hung
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONFAULTHANDLER="1")
     log = tmp_path / "run.out"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "eyas", "run", f"--run_dir={run}", f"--target.model={smollm2_dir}",
@@ -153,7 +155,14 @@ def test_sighup_stops_the_run_as_sigterm_does_with_a_summary(tmp_path, smollm2_d
             time.sleep(0.02)
         assert proc.poll() is None, log.read_text()[-3000:]
         proc.send_signal(signal.SIGHUP)
-        assert proc.wait(60) == 129, log.read_text()[-3000:]
+        try:
+            rc = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(30)
+            raise AssertionError("no exit within 60 s of SIGHUP; its stacks at SIGABRT:\n"
+                                 + log.read_text()[-6000:]) from None
+        assert rc == 129, log.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
