@@ -25,6 +25,7 @@ Run a seeded sample in the suite (tests/test_fault_matrix.py) or every cell:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -374,6 +375,18 @@ def _tiny_model(path: Path):
 
 def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+
+
+@contextlib.contextmanager
+def hangup_default():
+    """SIGHUP at its default while children are started inside (they inherit it), as a terminal's
+    shell leaves it: a suite started under nohup ignores SIGHUP, its children would inherit that, and
+    eyas rightly keeps an ignored SIGHUP ignored. (Main thread only, as signal.signal is.)"""
+    before = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def _wait_for(log: Path, line: str, proc, timeout: float = 300) -> bool:

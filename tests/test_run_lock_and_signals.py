@@ -20,6 +20,7 @@ import pytest
 
 from eyas.cli import main as cli
 from tests.data import write_synthetic_chats
+from tests.fault_matrix import hangup_default
 from tests.models import save_tiny
 
 HOLD = """
@@ -146,7 +147,7 @@ def test_sighup_stops_the_run_as_sigterm_does_with_a_summary(tmp_path, smollm2_d
     # the test fails, so that the failure says where it hung
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONFAULTHANDLER="1")
     log = tmp_path / "run.out"
-    with open(log, "w") as f:
+    with open(log, "w") as f, hangup_default():  # as a terminal leaves it, also in a suite run under nohup
         proc = subprocess.Popen([sys.executable, "-m", "eyas", "run", f"--run_dir={run}", f"--target.model={smollm2_dir}",
                                  f"--prepare.data={chats}"], stdout=f, stderr=subprocess.STDOUT, env=env)
     try:

@@ -15,7 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.fault_matrix import Case, _env, _wait_for
+from tests.fault_matrix import Case, _env, _wait_for, hangup_default
 
 GOOD = {"messages": [{"role": "user", "content": "What is two and two?"}, {"role": "assistant", "content": "Four."}]}
 
@@ -167,7 +167,7 @@ def memory_limit_in_train(m, work, rng):
 def sighup(m, work, rng):
     run = m.finished_run(work)
     log = work / "run.log"
-    with open(log, "w") as f:
+    with open(log, "w") as f, hangup_default():
         proc = subprocess.Popen([m.python, "-m", "eyas", *m.run_args(run), "--train.max_steps=400"], stdout=f,
                                 stderr=subprocess.STDOUT, env=_env(), start_new_session=True)
     started = _wait_for(log, "[eyas:run] train: running", proc)
