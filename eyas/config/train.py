@@ -184,9 +184,9 @@ class TrainConfig:
     p-N+1 .. p), in training (every TTT step, its keys at their RoPE positions), in eyas's decoding
     and evaluation, and in the export (speculators layout: `sliding_window` plus `layer_types` of
     "sliding_attention", the keys vLLM's models/llama.py reads). A windowed draft's attention cost
-    and KV cache stop growing with the context, and its acceptance holds up on contexts longer than
-    those it was trained on, where a full-attention draft's falls away. 0 = full attention. The
-    SGLang layout cannot carry it (refused: export with --export.format=speculators)."""
+    and KV cache stop growing with the context; it is meant for contexts longer than those the draft
+    was trained on (docs/benchmarks.md#draft-designs has what was measured). 0 = full attention.
+    SGLang applies no window from a draft's config: export with --export.format=speculators."""
     target_device: str = ""
     """Online mode: where the target runs: a device (cuda:1 keeps it off the draft's GPU), or
     auto / balanced / sequential to spread it over the visible GPUs with accelerate's device_map

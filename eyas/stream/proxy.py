@@ -106,6 +106,8 @@ def _fetch(engine, transport, proxy, norm, compute: torch.dtype, stored: torch.d
     makes them for training (the last state through the final norm, all in `stored`)."""
     import ray
 
+    from eyas.stream.source import split_states
+
     requests = [(f"vllm-proxy-{k}", t.tolist()) for k, t in enumerate(proxy.tokens)]
     try:
         results = ray.get(engine.extract.remote(requests))
@@ -125,8 +127,6 @@ def _fetch(engine, transport, proxy, norm, compute: torch.dtype, stored: torch.d
         got = tensors["token_ids"].tolist()
         if got != ids:
             raise EyasError(f"the proxy's object {key} holds token ids other than those sent")
-        states_SKD = tensors["hidden_states"]
-        with torch.no_grad():
-            final = norm(states_SKD[:, -1].to(compute)).to(stored)
-        out.append(torch.cat([states_SKD[:, :-1].to(stored), final[:, None]], dim=1))
+        aux, final = split_states(tensors["hidden_states"], norm, compute, stored)  # as training reads them
+        out.append(torch.cat([aux, final[:, None]], dim=1))
     return out

@@ -426,9 +426,7 @@ class StreamStates:
                 self._retry(epoch, i, rid, nbytes, str(e), delivered=True)
             return
         self.transport.discard(key)
-        with torch.no_grad():
-            final = self.norm(states_SKD[:, -1].to(self.compute_dtype)).to(self.dtype)
-            aux = states_SKD[:, :-1].to(self.dtype)
+        aux, final = split_states(states_SKD, self.norm, self.compute_dtype, self.dtype)
         self._parity(name, i, aux, final)
         with self.lock:
             self.ready[(epoch, i)] = (aux, final)
@@ -537,6 +535,15 @@ class StreamStates:
                       f"{type(e).__name__}: {exception_message(e)}", flush=True)
             return None
         return sum(b["tokens"] / b["busy_s"] for b in now if b["busy_s"] > 0)
+
+
+def split_states(states_SKD: torch.Tensor, norm, compute: torch.dtype, dtype: torch.dtype):
+    """An engine's captured states [S, K+1, D] -> (aux [S, K, D], final [S, D]) as training reads them:
+    the last one (the last layer's output, before the model's norm) through the target's final norm
+    in `compute`, both in `dtype`."""
+    with torch.no_grad():
+        final = norm(states_SKD[:, -1].to(compute)).to(dtype)
+    return states_SKD[:, :-1].to(dtype), final
 
 
 def gave_up(sample_id: str, index: int, attempts: int, errors: list[str], sc, window: int) -> str:
