@@ -28,13 +28,14 @@ demo: setup
 vllm-venv:
 	scripts/vllm-venv.sh
 
-# the whole suite, as CI runs it
+# the whole suite, as CI runs it: 2 workers; the tests that start vLLM, Ray or Mooncake run in one of
+# them, one at a time (tests/conftest.py)
 test: setup vllm-venv
-	$(PY) -m pytest -q -rs --durations=25
+	$(PY) -m pytest -q -rs --durations=25 -n 2 --dist loadgroup --no-loadscope-reorder
 
 # without the tests marked slow or vllm (no vLLM venv needed)
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow and not vllm"
+	$(PY) -m pytest -q -m "not slow and not vllm" -n 2 --dist loadgroup
 
 # remove $(VENV); the next `make demo` or `make test` creates it again
 clean-venv:

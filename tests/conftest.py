@@ -55,3 +55,24 @@ def shm_dir(tmp_path):
     d = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="eyas-test-"))
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+ENGINES = "engines"
+"""The xdist group of the tests that start vLLM, a Ray cluster or a Mooncake store (marked vllm, or
+under tests/stream/): they run one at a time, in one worker, first, while the other worker runs the
+rest. Two engines at once on 2 cores would each crawl (OpenMP threads pinned to the same cores)."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the marks into groups
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n 2 --dist loadgroup` (make test): the engine tests form one group, run first
+    (the longest unit); every other module is a group of its own, so its module fixtures are built
+    once. Without xdist the marks change nothing."""
+    def engine(item) -> bool:
+        return item.get_closest_marker("vllm") is not None or "/tests/stream/" in str(item.path)
+
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers under --dist loadgroup
+        return
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(ENGINES if engine(item) else item.nodeid.split("::")[0]))
+    items.sort(key=lambda item: not engine(item))
