@@ -67,12 +67,12 @@ rest. Two engines at once on 2 cores would each crawl (OpenMP threads pinned to 
 def pytest_collection_modifyitems(config, items):
     """Under `pytest -n 2 --dist loadgroup` (make test): the engine tests form one group, run first
     (the longest unit); every other module is a group of its own, so its module fixtures are built
-    once. Without xdist the marks change nothing."""
-    def engine(item) -> bool:
-        return item.get_closest_marker("vllm") is not None or "/tests/stream/" in str(item.path)
-
+    once. A run without --dist loadgroup is left as it is."""
     if not getattr(config.option, "loadgroup", False):  # set in xdist's workers under --dist loadgroup
         return
+    group = {}
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(ENGINES if engine(item) else item.nodeid.split("::")[0]))
-    items.sort(key=lambda item: not engine(item))
+        engine = item.get_closest_marker("vllm") is not None or "/tests/stream/" in str(item.path)
+        group[item] = ENGINES if engine else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group[item]))
+    items.sort(key=lambda item: group[item] != ENGINES)
